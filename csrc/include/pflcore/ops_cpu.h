@@ -1,0 +1,90 @@
+// Entry points of the CPU kernels (csrc/cpu/*.cpp), called by bindings/core.cpp.
+// All pointers are to C-contiguous buffers that Python validated (pflcore/ops/_checks.py);
+// shapes are in the comment beside each argument. T is float or double.
+#pragma once
+#include <cstdint>
+
+#include "pflcore/common.h"
+
+namespace pflcore::cpu {
+
+// The federation's data and the model family, shared by local_steps/gradients/evaluate.
+template <typename T>
+struct GlmProblem {
+  Family family;
+  int64_t p;               // features
+  int64_t C;               // outputs
+  bool intercept;          // parameter row p multiplies an implicit 1
+  T l2;                    // l2/2·‖θ‖² in every client objective
+  const T* x;              // [N, p]
+  const void* y;           // [N] T for LeastSquares, int64 otherwise
+  const int64_t* offsets;  // [m + 1]
+  int64_t m;               // clients
+  const int64_t* rows;     // [R] client of each model row
+  int64_t R;               // model rows
+  int64_t d() const { return (p + (intercept ? 1 : 0)) * C; }
+};
+
+template <typename T>
+struct LocalStepsArgs {
+  T* theta;                  // [R, d] updated in place
+  const int32_t* batches;    // [R, steps, B] absolute row indices, or null = full batch
+  int64_t batch_size;        // B (0 when batches is null)
+  const T* anchor;           // [R, d], [d] or null
+  bool anchor_shared;        // anchor is one [d] vector for every row
+  const T* grad_scale;       // [R] or null (= 1)
+  int64_t steps;
+  T lr;
+  T prox;
+};
+
+template <typename T>
+void local_steps(const GlmProblem<T>& prob, const LocalStepsArgs<T>& args);
+
+template <typename T>
+void gradients(const GlmProblem<T>& prob, const T* theta /*[R, d]*/, T* out /*[R, d]*/);
+
+template <typename T>
+void evaluate(const GlmProblem<T>& prob, const T* theta /*[R, d]*/, T* loss_sum /*[R]*/,
+              int64_t* correct /*[R]*/, int64_t* count /*[R]*/);
+
+template <typename T>
+void kmeans_assign(const T* points /*[N, d]*/, const T* centroids /*[K, d]*/, int64_t N,
+                   int64_t K, int64_t d, int64_t* labels /*[N]*/, T* sqdist /*[N]*/);
+
+// centroids[k] <- weighted mean of the points labelled k; clusters with zero weight keep
+// their centroid. weight_sum [K] receives each cluster's total weight.
+template <typename T>
+void kmeans_update(const T* points /*[N, d]*/, const int64_t* labels /*[N]*/,
+                   const T* weights /*[N] or null*/, int64_t N, int64_t K, int64_t d,
+                   T* centroids /*[K, d]*/, double* weight_sum /*[K]*/);
+
+// Stores r = tu − u in R_hist[slot] and tu in TU_hist[slot], and returns in dots[j] the
+// inner products <R_hist[slots[j]], r> (float64, fixed block order: deterministic).
+template <typename T>
+void anderson_push(const T* u /*[D]*/, const T* tu /*[D]*/, T* R_hist /*[H, D]*/,
+                   T* TU_hist /*[H, D]*/, int64_t D, int64_t slot, const int64_t* slots /*[k]*/,
+                   int64_t k, double* dots /*[k]*/);
+
+// out = Σ_j pi[j] · TU_hist[slots[j]].
+template <typename T>
+void anderson_mix(const T* TU_hist /*[H, D]*/, int64_t D, const int64_t* slots /*[k]*/,
+                  const double* pi /*[k]*/, int64_t k, T* out /*[D]*/);
+
+// Gram matrix of k vectors of length D, float64 accumulation, fixed block order.
+template <typename T>
+void gram(const T* vecs /*[k, D]*/, int64_t k, int64_t D, double* G /*[k, k]*/);
+
+// pi = argmin πᵀ(G + λI)π s.t. Σπ = 1, λ = reg·trace(G): pi = (G+λI)⁻¹1 / 1ᵀ(G+λI)⁻¹1.
+void anderson_solve(const double* G /*[k, k]*/, int64_t k, double reg, double* pi /*[k]*/);
+
+void sample_batches(const int64_t* offsets /*[m + 1]*/, const int64_t* clients /*[R]*/,
+                    const int64_t* client_ids /*[R] hashed ids*/, int64_t R, int64_t steps,
+                    int64_t B, uint32_t seed, uint32_t counter, int32_t* out /*[R, steps, B]*/);
+
+// out = Σ_r w[r]·theta[rows[r]] / Σ_r w[r], float64 accumulation in row order.
+template <typename T>
+void average(const T* theta /*[M, d]*/, const T* weights /*[M]*/, const int64_t* rows /*[R]*/,
+             int64_t R, int64_t d, T* out /*[d]*/);
+
+}  // namespace pflcore::cpu

@@ -1,0 +1,12 @@
+"""pflcore: a fast core for personalized federated learning research.
+
+Every simulated client is a row of a batch: the data of all clients is one ragged array
+(``ClientData``) and the models of all clients one ``[m, d]`` matrix, so one kernel call runs a
+local step for thousands of clients. Compiled backends load lazily (``pflcore.backend``).
+"""
+__version__ = "0.1.0"
+
+from pflcore import backend, models, ops  # noqa: E402
+from pflcore.data.client_data import ClientData  # noqa: E402
+
+__all__ = ["ClientData", "backend", "models", "ops", "__version__"]

@@ -1,0 +1,5 @@
+import sys
+
+from pflcore.cli import main
+
+sys.exit(main())

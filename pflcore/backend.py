@@ -1,0 +1,145 @@
+"""Which implementations of the ops exist, and which one a call uses (DESIGN.md §1, §4).
+
+Backends: ``native`` (C++/OpenMP, CPU tensors), ``cuda`` (CUDA C++, CUDA tensors),
+``triton`` (Triton, CUDA tensors) and ``reference`` (pure torch, any device).
+
+Choose one with ``pflcore.backend.use("reference")`` (a context manager) or the
+environment variable ``PFLCORE_BACKEND``. A backend requested by name that cannot serve a
+call raises at once with the reason; the automatic choice falls back in a fixed order:
+native -> reference for CPU tensors, cuda -> triton -> reference for CUDA tensors.
+
+Compiled modules are imported lazily, on first use, so ``import pflcore`` is fast and works
+on a machine where they were not built.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import importlib
+import os
+from typing import Dict, Iterator, Optional, Tuple
+
+BACKENDS = ("native", "cuda", "triton", "reference")
+
+# Backend -> device types whose tensors it serves.
+_SERVES = {"native": ("cpu",), "cuda": ("cuda",), "triton": ("cuda",), "reference": ("cpu", "cuda")}
+_AUTO_ORDER = {"cpu": ("native", "reference"), "cuda": ("cuda", "triton", "reference")}
+_COMPILED = {"native": "pflcore._core", "cuda": "pflcore._core_cuda"}
+
+_forced: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("pflcore_backend", default=None)
+_loaded: Dict[str, Tuple[Optional[object], str]] = {}
+
+
+class BackendUnavailable(RuntimeError):
+    """A backend that was asked for by name cannot run the call; the message says why."""
+
+
+def _check_name(name: str, source: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"{source}: expected one of {', '.join(BACKENDS)}, got {name!r}")
+    return name
+
+
+def _load(name: str) -> Tuple[Optional[object], str]:
+    """(module or None, reason) for a backend; cached after the first attempt."""
+    if name in _loaded:
+        return _loaded[name]
+    module, reason = None, ""
+    if name in _COMPILED:
+        try:
+            module = importlib.import_module(_COMPILED[name])
+        except ImportError as exc:
+            if name == "cuda":
+                reason = ("not built: the CUDA module is compiled only when nvcc is found at "
+                          "install time (or PFLCORE_CUDA=ON); reinstall with nvcc on PATH "
+                          f"({exc})")
+            else:
+                reason = ("not built: pflcore._core is missing from this installation; "
+                          f"reinstall with `pip install .` from the source tree ({exc})")
+        if module is not None and name == "cuda":
+            if module.device_count() == 0:
+                reason = "built, but no CUDA device is visible to the CUDA runtime"
+                module = None
+    elif name == "triton":
+        reason = "no Triton kernels in this version (they come with the GPU backends)"
+    else:  # reference
+        import torch
+
+        module, reason = torch, f"pure torch {torch.__version__}"
+    _loaded[name] = (module, reason)
+    return module, reason
+
+
+def ops_of(name: str) -> Tuple[str, ...]:
+    """Names of the kernels a compiled backend implements (empty if it does not load)."""
+    module, _ = _load(name)
+    if module is None:
+        return ()
+    if name == "reference":
+        return ("*",)
+    return tuple(module.build_info()["ops"])
+
+
+def status() -> Dict[str, Tuple[bool, str]]:
+    """{backend: (usable, detail)} for ``pflcore info``."""
+    out = {}
+    for name in BACKENDS:
+        module, reason = _load(name)
+        if module is not None and name in _COMPILED:
+            info = module.build_info()
+            if name == "native":
+                reason = (f"C++/OpenMP, {info['openmp_max_threads']} threads, "
+                          f"{info.get('compiler', '?')}, {info['arch_flags'] or 'generic arch'}")
+            else:
+                reason = (f"CUDA runtime {info['cuda_runtime_version']}, architectures "
+                          f"{info['architectures']}, ops: {', '.join(info['ops'])}")
+        out[name] = (module is not None, reason)
+    return out
+
+
+def requested() -> Optional[str]:
+    """The backend asked for by ``use()`` or ``PFLCORE_BACKEND``, or None for automatic."""
+    name = _forced.get()
+    if name is not None:
+        return name
+    env = os.environ.get("PFLCORE_BACKEND", "").strip()
+    return _check_name(env, "PFLCORE_BACKEND") if env else None
+
+
+@contextlib.contextmanager
+def use(name: str) -> Iterator[None]:
+    """Run the ops inside the block with backend ``name``; raises at once if it cannot load."""
+    _check_name(name, "backend")
+    module, reason = _load(name)
+    if module is None:
+        raise BackendUnavailable(f"backend {name!r} cannot be used: {reason}")
+    token = _forced.set(name)
+    try:
+        yield
+    finally:
+        _forced.reset(token)
+
+
+def select(op: str, device) -> Tuple[str, object]:
+    """(backend name, module) that runs ``op`` on tensors of ``device``."""
+    dev = device.type
+    if dev not in _AUTO_ORDER:
+        raise ValueError(f"{op}: tensors on device {dev!r} are not served by any backend "
+                         f"(pflcore runs on 'cpu' and 'cuda' tensors)")
+    name = requested()
+    if name is not None:
+        if dev not in _SERVES[name]:
+            raise BackendUnavailable(f"{op}: backend {name!r} was requested but it serves "
+                                     f"{'/'.join(_SERVES[name])} tensors, got {dev!r} tensors")
+        module, reason = _load(name)
+        if module is None:
+            raise BackendUnavailable(f"{op}: backend {name!r} was requested but cannot be used: {reason}")
+        ops = ops_of(name)
+        if "*" not in ops and op not in ops:
+            raise BackendUnavailable(f"{op}: backend {name!r} was requested but does not implement {op}")
+        return name, module
+    for name in _AUTO_ORDER[dev]:
+        module, _ = _load(name)
+        if module is not None and ("*" in ops_of(name) or op in ops_of(name)):
+            return name, module
+    raise AssertionError("unreachable: the reference backend serves every op")  # pragma: no cover

@@ -1,0 +1,93 @@
+"""Generalized linear model families that run in the native kernels (DESIGN.md §3).
+
+Parameters of one model are ``d = (p + fit_intercept) * C`` numbers laid out row-major as
+``[p (+1), C]``; the intercept row multiplies an implicit feature equal to 1. Each client
+objective is ``f_i(θ) = mean loss over the client's rows + l2/2·‖θ‖²``.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+# Must match enum pflcore::Family in csrc/include/pflcore/common.h.
+FAMILY_CODE = {"least_squares": 0, "logistic": 1, "softmax": 2}
+
+
+class GLM:
+    family: str = ""
+
+    def __init__(self, p: int, C: int, *, l2: float = 0.0, fit_intercept: bool = True):
+        if isinstance(p, bool) or not isinstance(p, int) or p < 1:
+            raise ValueError(f"p: expected an integer >= 1 (features), got {p!r}")
+        if isinstance(C, bool) or not isinstance(C, int) or C < 1:
+            raise ValueError(f"C: expected an integer >= 1 (outputs), got {C!r}")
+        l2 = float(l2)
+        if not math.isfinite(l2) or l2 < 0:
+            raise ValueError(f"l2: expected a finite number >= 0, got {l2!r}")
+        self.p, self.C, self.l2, self.fit_intercept = p, C, l2, bool(fit_intercept)
+
+    @property
+    def P(self) -> int:
+        """Rows of the parameter layout: features plus the intercept row."""
+        return self.p + int(self.fit_intercept)
+
+    @property
+    def d(self) -> int:
+        return self.P * self.C
+
+    @property
+    def code(self) -> int:
+        return FAMILY_CODE[self.family]
+
+    @property
+    def is_classifier(self) -> bool:
+        return self.family != "least_squares"
+
+    @property
+    def num_classes(self) -> int:
+        """Labels must lie in [0, num_classes)."""
+        return 2 if self.family == "logistic" else self.C
+
+    def zeros(self, m: int, dtype: torch.dtype = torch.float32, device="cpu") -> torch.Tensor:
+        """``[m, d]`` parameters of m models, all zero."""
+        return torch.zeros(m, self.d, dtype=dtype, device=device)
+
+    def __repr__(self) -> str:
+        extra = f", C={self.C}" if self.family == "softmax" else ""
+        return (f"{type(self).__name__}(p={self.p}{extra}, l2={self.l2}, "
+                f"fit_intercept={self.fit_intercept})")
+
+    def __eq__(self, other) -> bool:
+        return type(self) is type(other) and (self.p, self.C, self.l2, self.fit_intercept) == (
+            other.p, other.C, other.l2, other.fit_intercept)
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, self.p, self.C, self.l2, self.fit_intercept))
+
+
+class LeastSquares(GLM):
+    """Loss ``½(xᵀw − y)²`` with float targets y; C = 1."""
+
+    family = "least_squares"
+
+    def __init__(self, p: int, *, l2: float = 0.0, fit_intercept: bool = True):
+        super().__init__(p, 1, l2=l2, fit_intercept=fit_intercept)
+
+
+class Logistic(GLM):
+    """Loss ``log(1 + e^z) − y z`` with labels y in {0, 1}; C = 1."""
+
+    family = "logistic"
+
+    def __init__(self, p: int, *, l2: float = 0.0, fit_intercept: bool = True):
+        super().__init__(p, 1, l2=l2, fit_intercept=fit_intercept)
+
+
+class Softmax(GLM):
+    """Cross-entropy of ``softmax(xᵀW)`` over C classes."""
+
+    family = "softmax"
+
+    def __init__(self, p: int, C: int, *, l2: float = 0.0, fit_intercept: bool = True):
+        super().__init__(p, C, l2=l2, fit_intercept=fit_intercept)
