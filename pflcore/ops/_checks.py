@@ -17,6 +17,9 @@ FLOAT_DTYPES = (torch.float32, torch.float64)
 def as_tensor(value, name: str) -> Tuple[torch.Tensor, bool]:
     """(tensor, came_from_numpy). numpy arrays are wrapped without a copy."""
     if isinstance(value, torch.Tensor):
+        if value.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"{name}: tensors on device {value.device.type!r} are not served by any "
+                             f"backend (pflcore runs on 'cpu' and 'cuda' tensors)")
         return value, False
     if isinstance(value, np.ndarray):
         with warnings.catch_warnings():  # read-only arrays: we never write to them
@@ -52,10 +55,9 @@ def check_shape(t: torch.Tensor, name: str, shape: Sequence[Optional[int]], what
     """``shape`` may hold None for 'any size'; ``what`` names the dimensions, e.g. '[m, d]'."""
     ok = t.dim() == len(shape) and all(e is None or e == s for e, s in zip(shape, t.shape))
     if not ok:
-        want = what or "[" + ", ".join("*" if e is None else str(e) for e in shape) + "]"
         filled = "[" + ", ".join("*" if e is None else str(e) for e in shape) + "]"
-        if what and filled != what:
-            want = f"{what} = {filled}"
+        # A symbolic description gets the sizes appended; one that has numbers is used as is.
+        want = filled if not what else what if any(ch.isdigit() for ch in what) else f"{what} = {filled}"
         raise ValueError(f"{name}: expected shape {want}, got {shape_str(t)}")
 
 

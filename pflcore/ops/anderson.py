@@ -156,7 +156,8 @@ class Anderson:
         uf, tuf = u_t.reshape(-1).contiguous(), tu_t.reshape(-1).contiguous()
 
         H = self.memory + 1
-        slot = len(self._order) if len(self._order) < H else self._order[0]
+        free = [s for s in range(H) if s not in self._order]
+        slot = free[0] if free else self._order[0]  # a free slot, else the oldest pair's
         order = [s for s in self._order if s != slot] + [slot]
         if name == "reference":
             dots = _push_ref(uf, tuf, self._R, self._TU, slot, order)

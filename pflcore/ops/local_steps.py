@@ -84,7 +84,7 @@ def local_steps(model, theta, data, *, steps, lr, prox=0.0, anchor=None, batches
         opt = lambda t: None if t is None else cpu_numpy(t)  # noqa: E731
         module.local_steps(*_glm.native_args(model, theta_t, data, rows_t), opt(batches_t),
                            opt(anchor_t), opt(grad_scale_t), steps, lr, prox)
-    return out_like(theta_t, is_np)
+    return theta if is_np else theta_t  # the caller's own array, updated in place
 
 
 def local_steps_ref(model, theta, data, *, steps, lr, prox=0.0, anchor=None, batches=None, rows=None,

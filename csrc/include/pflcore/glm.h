@@ -25,14 +25,15 @@ PFL_HD T least_squares_loss_grad(T z, T y, T* dz) {
 }
 
 // Logistic (C = 1), y ∈ {0, 1}: loss = log(1 + e^z) − y·z, dz = σ(z) − y.
-// Written with e^{−|z|} so neither branch overflows.
+// The loss is evaluated as max(s, 0) + log(1 + e^{−|s|}) with s = z for y = 0 and s = −z for
+// y = 1, which neither overflows nor cancels when the row is well classified.
 template <typename T>
 PFL_HD T logistic_loss_grad(T z, int64_t y, T* dz) {
   const T e = pfl_exp(-(z < T(0) ? -z : z));
   const T sigma = z >= T(0) ? T(1) / (T(1) + e) : e / (T(1) + e);
-  const T yt = static_cast<T>(y);
-  *dz = sigma - yt;
-  return (z > T(0) ? z : T(0)) + pfl_log1p(e) - yt * z;
+  *dz = sigma - static_cast<T>(y);
+  const T s = y ? -z : z;
+  return (s > T(0) ? s : T(0)) + pfl_log1p(e);
 }
 
 // Softmax over C classes: loss = logsumexp(z) − z_y, dz = softmax(z) − e_y.
