@@ -137,3 +137,13 @@ def test_models_reject_bad_hyperparameters():
         ops.local_steps("softmax", np.zeros((3, 15), np.float32), _setup()[1], steps=1, lr=0.1)
     with pytest.raises(ValueError, match=r"data: x has 4 features but the model expects p = 5"):
         ops.gradients(models.Softmax(5, 3), torch.zeros(3, 18), _setup()[1])
+
+
+def test_anderson_names_the_non_finite_argument():
+    acc = ops.Anderson(memory=2)
+    bad = torch.zeros(6)
+    bad[3] = float("nan")
+    with pytest.raises(ValueError, match=r"u: contains 1 NaN"):
+        acc.step(bad, torch.zeros(6))
+    with pytest.raises(ValueError, match=r"tu: contains 1 NaN or infinite"):
+        acc.step(torch.zeros(6), torch.full((6,), float("inf")).index_fill_(0, torch.arange(1, 6), 0.0))

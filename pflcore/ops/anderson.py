@@ -143,8 +143,8 @@ class Anderson:
         check_float(tu_t, "tu", u_t.dtype)
         check_device(tu_t, "tu", u_t.device)
         check_shape(tu_t, "tu", tuple(u_t.shape), "the shape of u")
-        check_finite(u_t, "u")
-        check_finite(tu_t, "tu")
+        # NaN/inf in u or tu make the new residual's norm non-finite: that is checked below,
+        # after the fused pass, instead of two extra passes over the state here.
         if not hasattr(self, "_R") or self._R.dtype != u_t.dtype or self._R.device != u_t.device \
                 or self._shape != tuple(u_t.shape):
             if self._order:
@@ -165,6 +165,10 @@ class Anderson:
             dots = torch.empty(len(order), dtype=torch.float64)
             module.anderson_push(cpu_numpy(uf), cpu_numpy(tuf), cpu_numpy(self._R), cpu_numpy(self._TU), slot,
                                  cpu_numpy(torch.tensor(order, dtype=torch.int64)), cpu_numpy(dots))
+        if not bool(torch.isfinite(dots).all()):
+            check_finite(u_t, "u")
+            check_finite(tu_t, "tu")
+            raise ValueError("tu - u: the residual overflows (its squared norm is not finite)")
         norm = math.sqrt(max(float(dots[-1]), 0.0))
         self.residual_norm = norm
         if (self.safeguard and self._last_norm is not None and self._last_norm > 0

@@ -18,23 +18,25 @@ from pflcore.ops._checks import (as_tensor, check_device, check_finite, check_fl
                                  check_real, check_shape, cpu_numpy, out_like)
 
 
-def _validate_points(points, name="points"):
+def _validate_points(points, name="points", finite=True):
     t, is_np = as_tensor(points, name)
     check_float(t, name)
     if t.dim() != 2:
         raise ValueError(f"{name}: expected shape [N, d], got {list(t.shape)}")
-    check_finite(t, name)
+    if finite:
+        check_finite(t, name)
     return t.contiguous(), is_np
 
 
-def _validate_centroids(centroids, points_t, name="centroids"):
+def _validate_centroids(centroids, points_t, name="centroids", finite=True):
     c, _ = as_tensor(centroids, name)
     check_float(c, name, points_t.dtype)
     check_device(c, name, points_t.device)
     check_shape(c, name, (None, points_t.shape[1]), f"[K, d] with d = {points_t.shape[1]}")
     if c.shape[0] < 1:
         raise ValueError(f"{name}: expected at least one centroid, got shape {list(c.shape)}")
-    check_finite(c, name)
+    if finite:
+        check_finite(c, name)
     return c.contiguous()
 
 
@@ -61,9 +63,14 @@ def _assign(points: torch.Tensor, centroids: torch.Tensor):
 
 def kmeans_assign(points, centroids):
     """Nearest centroid of every point: ``(labels int64 [N], sqdist [N])``."""
-    points_t, is_np = _validate_points(points)
-    centroids_t = _validate_centroids(centroids, points_t)
+    points_t, is_np = _validate_points(points, finite=False)
+    centroids_t = _validate_centroids(centroids, points_t, finite=False)
     labels, sqdist = _assign(points_t, centroids_t)
+    # A NaN or inf in the inputs makes some distance non-finite: checking the N distances
+    # replaces a second pass over the [N, d] points; the full check then names the culprit.
+    if not bool(torch.isfinite(sqdist).all()):
+        check_finite(points_t, "points")
+        check_finite(centroids_t, "centroids")
     return out_like(labels, is_np), out_like(sqdist, is_np)
 
 
