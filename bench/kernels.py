@@ -15,14 +15,22 @@ What is measured (all in one process, same thread count everywhere, float32, fix
 2. ``kmeans_assign`` (N = 10,000 points, K = 16, d = 7,850): native vs ``kmeans_assign_ref``,
    faiss ``IndexFlatL2`` and scikit-learn ``pairwise_distances_argmin_min`` (when installed),
    after checking that the labels agree.
-3. ``Anderson(memory=5).step`` on a 1,000 × 7,850 state with a full history, against the time
-   ``Tensor.copy_`` takes to move the same number of bytes the step must touch; and the
-   reference backend's step.
+3. ``Anderson(memory=5).step`` on a 1,000 × 7,850 state with a full history (k = memory+1
+   stored pairs), against ``dst.copy_(src)`` of (touched/2)-element buffers, i.e. moving the
+   touched = (2 + 2 + k + k + 1)·D elements a step must read or write (u, tu in; r, tu into the
+   ring; k residuals for the Gram column; k T(u) for the mix; out) = 17·D for k = 6. The copies
+   are timed between the steps so both see the same machine load. Also the reference step.
+
+Diagnostics without a target: the time of one full NaN/inf scan (``check_finite``, the ops'
+input validation) of the large inputs relative to the op, for ``kmeans_assign`` and
+``Anderson.step``: what validating in a separate pass costs. The 1-minute load average is
+recorded, and a warning printed when other processes are busy: on a 2-core machine they
+distort the timings.
 
 Times are the best of ``--repeats`` runs (time.perf_counter); every run of ``local_steps``
-starts from a copy of the same θ. Slow baselines are timed on all clients unless
-``--slow-clients`` is given, in which case they run on that many clients and are scaled
-linearly by rows (this is stated in the output and the JSON).
+starts from a copy of the same θ. The slow baselines (reference ops, torch loop, sklearn) use
+at most 3 runs. They are timed on all clients unless ``--slow-clients`` is given; then they
+run on that many clients and are scaled linearly by rows (stated in the output and the JSON).
 
 Run from the repository root (the installed ``pflcore`` with its compiled ``_core`` is used):
 
@@ -41,6 +49,7 @@ import json
 import math
 import os
 import platform
+import subprocess
 import time
 
 import numpy as np
@@ -50,6 +59,7 @@ import torch.nn.functional as F
 import pflcore
 from pflcore import backend, ops
 from pflcore.models import Softmax
+from pflcore.ops._checks import check_finite  # the NaN/inf check the ops run on their inputs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -140,24 +150,26 @@ def bench_local_steps(args, q):
         out[name] = th
     diff_ref = float((out["reference"] - out["native"]).abs().max())
     diff_loop = float((out["torch_sgd"] - out["native"]).abs().max())
+    moved = float((out["native"] - theta0).abs().max())
     print(f"[local_steps] m={m} N={N} d={model.d} K={K}: max|Δθ| reference-native = {diff_ref:.2e}, "
-          f"torch_sgd-native = {diff_loop:.2e} (tolerance 1e-4)")
+          f"torch_sgd-native = {diff_loop:.2e} (tolerance 1e-4; the steps moved θ by up to {moved:.2e})")
 
-    t_native = best_of(native, args.repeats, theta0.clone)
+    mm_before = matmul_gflops(2048, args.repeats)  # measured before and after the timings of
+    t_native = best_of(native, args.repeats, theta0.clone)  # this section; the better one is kept
     # Slow baselines: all clients, or the first --slow-clients ones scaled by rows.
     ms = m if args.slow_clients is None else min(m, args.slow_clients)
     sub = torch.arange(ms)
     scale = N / int(data.offsets[ms])
-    slow_reps = max(1, min(args.repeats, 2))
+    slow_reps = max(1, min(args.repeats, 3))
     t_ref = scale * best_of(lambda th: ref(th, rows=sub), slow_reps, lambda: theta0[:ms].clone())
     t_loop = scale * best_of(lambda th: loop(th, range(ms)), slow_reps, theta0.clone)
 
     flops = K * N * 4 * (p + 1) * C
     kernel_gflops = flops / t_native / 1e9
-    mm_gflops, t_mm = matmul_gflops(2048, args.repeats)
+    mm_gflops, t_mm = max(mm_before, matmul_gflops(2048, args.repeats))
     return dict(
         m=m, N=N, p=p, C=C, d=model.d, steps=K, lr=kw["lr"], prox=kw["prox"], anchor="shared [d]",
-        max_abs_diff_reference=diff_ref, max_abs_diff_torch_sgd=diff_loop, tolerance=1e-4,
+        max_abs_diff_reference=diff_ref, max_abs_diff_torch_sgd=diff_loop, tolerance=1e-4, max_abs_update=moved,
         time_native_s=t_native, time_reference_s=t_ref, time_torch_sgd_s=t_loop,
         slow_baselines_clients=ms, slow_baselines_scaled=ms < m, slow_baselines_scale=scale,
         slow_baselines_repeats=slow_reps,
@@ -175,6 +187,7 @@ def bench_kmeans(args, q, threads):
     points = centers[torch.randint(0, K, (N,), generator=g)] + 2.0 * torch.randn(N, d, generator=g)
     centroids = centers + 0.5 * torch.randn(K, d, generator=g)
     P, Cn = points.numpy(), centroids.numpy()
+    print(f"[kmeans_assign] N={N} K={K} d={d}: checking labels, then timing")
 
     with backend.use("native"):
         labels, sq = ops.kmeans_assign(points, centroids)
@@ -188,8 +201,11 @@ def bench_kmeans(args, q, threads):
             ops.kmeans_assign(points, centroids)
 
     res["time_native_s"] = best_of(native, args.repeats)
+    # Diagnostic: one full NaN/inf scan of the [N, d] points, relative to the op.
+    res["time_check_finite_s"] = best_of(lambda _: check_finite(points, "points"), args.repeats)
+    res["check_finite_over_op"] = res["time_check_finite_s"] / res["time_native_s"]
     res["time_reference_s"] = best_of(lambda _: ops.kmeans_assign_ref(points, centroids),
-                                      max(1, min(args.repeats, 2)))
+                                      max(1, min(args.repeats, 3)))
     res["ratio_reference_over_native"] = res["time_reference_s"] / res["time_native_s"]
 
     try:
@@ -217,7 +233,7 @@ def bench_kmeans(args, q, threads):
             lab_sk, dist_sk = pairwise_distances_argmin_min(P, Cn)
             res["agree_sklearn"] = float((torch.from_numpy(lab_sk) == labels).double().mean())
             res["time_sklearn_s"] = best_of(lambda _: pairwise_distances_argmin_min(P, Cn),
-                                            max(1, min(args.repeats, 2)))
+                                            max(1, min(args.repeats, 3)))
         res["ratio_sklearn_over_native"] = res["time_sklearn_s"] / res["time_native_s"]
         res["sklearn_version"] = sklearn.__version__
     except ImportError:
@@ -246,7 +262,20 @@ def bench_anderson(args, q):
         u = torch.randn(shape, generator=g)
         pairs.append((u, 0.9 * u + 0.1 * torch.randn(shape, generator=g)))
 
-    def run(name):
+    k = H
+    # read u, tu; write r, tu into the ring; read k residuals (Gram column); read k T(u); write out
+    touched = (2 + 2 + k + k + 1) * D
+    n_copy = touched // 2  # a copy reads and writes: src + dst = touched elements
+    src, dst = torch.randn(n_copy, generator=g), torch.empty(n_copy)
+    dst.copy_(src)
+    copy_times = []
+
+    def timed_copy():
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        copy_times.append(time.perf_counter() - t0)
+
+    def run(name, between=lambda: None):
         mixer = ops.Anderson(memory=memory)
         with backend.use(name):
             for u, tu in pairs[:warm]:
@@ -257,24 +286,40 @@ def bench_anderson(args, q):
                 t0 = time.perf_counter()
                 out = mixer.step(u, tu)
                 best = min(best, time.perf_counter() - t0)
+                between()
         return best, out, mixer.resets
 
-    t_native, out_native, resets_native = run("native")
+    print(f"[anderson] state {list(shape)}, memory {memory}: timing native and reference steps")
+    # The copies are timed between the native steps, so that both see the same machine load.
+    t_native, out_native, resets_native = run("native", between=timed_copy)
+    t_copy = min(copy_times)
     t_ref, out_ref, resets_ref = run("reference")
-    k = H
-    # read u, tu; write r, tu into the ring; read k residuals (Gram column); read k T(u); write out
-    touched = (2 + 2 + k + k + 1) * D
-    n_copy = touched // 2
-    src, dst = torch.randn(n_copy, generator=g), torch.empty(n_copy)
-    dst.copy_(src)
-    t_copy = best_of(lambda _: dst.copy_(src), max(3, args.repeats))
+    u, tu = pairs[-1]
+    t_checks = best_of(lambda _: (check_finite(u, "u"), check_finite(tu, "tu")), args.repeats)
     return dict(
         shape=list(shape), D=D, memory=memory, pairs_stored=k, touched_elements=touched,
         touched_bytes=touched * 4, copy_elements=n_copy, time_native_step_s=t_native,
-        time_reference_step_s=t_ref, time_copy_s=t_copy, copy_gbytes_per_s=touched * 4 / t_copy / 1e9,
+        time_reference_step_s=t_ref, time_copy_s=t_copy, time_check_finite_s=t_checks,
+        check_finite_over_op=t_checks / t_native, copy_gbytes_per_s=touched * 4 / t_copy / 1e9,
         step_gbytes_per_s=touched * 4 / t_native / 1e9, ratio_step_over_copy=t_native / t_copy,
         ratio_reference_over_native=t_ref / t_native, safeguard_resets=[resets_native, resets_ref],
         max_abs_diff_reference=float((out_ref - out_native).abs().max()))
+
+
+def machine_extra():
+    """CPU model (platform.processor() is empty on Linux) and the source tree's git commit."""
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        pass
+    try:
+        commit = subprocess.run(["git", "-C", HERE, "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return dict(cpu_model=model, git_commit=commit or None)
 
 
 # ---- report -----------------------------------------------------------------------------------
@@ -287,11 +332,15 @@ def rows_of(r):
         ("local_steps agreement: max|Δθ| reference", None, ls["max_abs_diff_reference"], 1e-4, "le"),
         ("local_steps agreement: max|Δθ| torch SGD", None, ls["max_abs_diff_torch_sgd"], 1e-4, "le"),
         ("local_steps native (a)", ls["time_native_s"], None, None, None),
-        ("local_steps torch SGD loop (c)/(a)" + sc, ls["time_torch_sgd_s"], ls["ratio_torch_sgd_over_native"], 25, "ge"),
-        ("local_steps reference (b)/(a)" + sc, ls["time_reference_s"], ls["ratio_reference_over_native"], 10, "ge"),
+        ("local_steps torch SGD loop (c)/(a)" + sc, ls["time_torch_sgd_s"],
+         ls["ratio_torch_sgd_over_native"], 25, "ge"),
+        ("local_steps reference (b)/(a)" + sc, ls["time_reference_s"],
+         ls["ratio_reference_over_native"], 10, "ge"),
         (f"local_steps {ls['kernel_gflops']:.1f} GFLOP/s / matmul {ls['matmul_gflops']:.0f}",
          ls["matmul_time_s"], ls["fraction_of_matmul"], 0.10, "ge"),
         ("kmeans_assign native", km["time_native_s"], None, None, None),
+        ("kmeans_assign: check_finite(points) scan / op", km["time_check_finite_s"],
+         km["check_finite_over_op"], None, None),
         ("kmeans_assign agreement: reference labels", None, km["agree_reference"], 0.999, "ge"),
         ("kmeans_assign reference/native", km["time_reference_s"], km["ratio_reference_over_native"], None, None),
     ]
@@ -302,7 +351,10 @@ def rows_of(r):
         rows += [("kmeans_assign agreement: sklearn labels", None, km["agree_sklearn"], 0.999, "ge"),
                  ("kmeans_assign sklearn/native", km["time_sklearn_s"], km["ratio_sklearn_over_native"], None, None)]
     rows += [
+        ("anderson agreement: max|Δout| reference (info)", None, an["max_abs_diff_reference"], None, None),
         ("anderson step native", an["time_native_step_s"], None, None, None),
+        ("anderson step: check_finite(u, tu) scans / step", an["time_check_finite_s"],
+         an["check_finite_over_op"], None, None),
         ("anderson step / copy of touched bytes", an["time_copy_s"], an["ratio_step_over_copy"], 1.5, "le"),
         ("anderson reference/native", an["time_reference_step_s"], an["ratio_reference_over_native"], None, None),
     ]
@@ -333,13 +385,16 @@ def plot(rows, path):
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    rows = [r for r in rows if r[2] is not None and r[2] > 0 and r[1] is not None]  # ratios only
+    # The speed ratios only (not the agreement checks, absolute times or diagnostics).
+    rows = [r for r in rows if r[1] is not None and r[2] is not None and "/" in r[0]
+            and "check_finite" not in r[0]]
     fig, ax = plt.subplots(figsize=(9, 0.5 * len(rows) + 1.5))
     ys = range(len(rows))
     colors = ["tab:gray" if s is None else "tab:green" if passed(v, t, s) else "tab:red"
               for _, _, v, t, s in rows]
     ax.barh(list(ys), [r[2] for r in rows], color=colors)
-    for y, (_, _, _, t, s) in zip(ys, rows):
+    for y, (_, _, v, t, s) in zip(ys, rows):
+        ax.text(v, y, f" {v:.3g}", va="center", fontsize=8)
         if s is not None:
             ax.plot([t, t], [y - 0.4, y + 0.4], color="black", lw=2)
     ax.set_yticks(list(ys))
@@ -371,6 +426,10 @@ def main():
     if not status["native"][0]:
         raise SystemExit(f"the native backend is not available: {status['native'][1]}")
     threads = torch.get_num_threads()
+    load_start = os.getloadavg()[0]
+    if load_start > 0.5:
+        print(f"warning: 1-minute load average is {load_start:.2f} before starting; other processes "
+              f"compete for the {os.cpu_count()} cores and the timings will be noisy")
     t0 = time.perf_counter()
     results = {"local_steps": bench_local_steps(args, q)}
     results["kmeans_assign"] = bench_kmeans(args, q, threads)
@@ -382,7 +441,8 @@ def main():
     results["machine"] = dict(
         torch_threads=threads, cpu_count=os.cpu_count(), processor=platform.processor(),
         platform=platform.platform(), python=platform.python_version(), torch=torch.__version__,
-        pflcore=pflcore.__version__, backends={k: list(v) for k, v in status.items()})
+        pflcore=pflcore.__version__, backends={k: list(v) for k, v in status.items()},
+        loadavg_1min_start=load_start, loadavg_1min_end=os.getloadavg()[0], **machine_extra())
     results["config"] = dict(quick=args.quick, repeats=args.repeats, slow_clients=args.slow_clients)
     results["timestamp"] = datetime.datetime.now(datetime.timezone.utc).isoformat()
     results["total_wall_s"] = time.perf_counter() - t0
