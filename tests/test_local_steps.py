@@ -166,3 +166,25 @@ def test_gradient_descent_reaches_least_squares_solution():
     theta = ops.local_steps(model, torch.zeros(1, 5, dtype=torch.float64), data, steps=3000, lr=0.2)
     torch.testing.assert_close(theta[0], w, rtol=1e-9, atol=1e-9)
     assert float(ops.gradients(model, theta, data).abs().max()) < 1e-9
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("family,C", [("softmax", 10), ("logistic", 1)])
+def test_clients_larger_than_one_chunk(family, C, dtype):
+    """The kernel streams a client's rows in chunks of ~256 KiB (about 1,000 rows of p = 61 in
+    float32); a client of 2,500 rows and a minibatch of 1,500 rows cross chunk boundaries."""
+    model = make_model(family, 61, C, l2=0.01)
+    data = make_data(model, [2500, 3, 700], dtype, seed=21)
+    g = torch.Generator().manual_seed(2)
+    theta = 0.05 * torch.randn(3, model.d, generator=g, dtype=dtype)
+    # float32 sums of 2,500 rows: up to 2,500 × 6e-8 ≈ 1.5e-4 relative, hence 3e-4.
+    tol = dict(rtol=3e-4, atol=3e-4) if dtype == torch.float32 else TOL[dtype]
+    for kw in (dict(), dict(batches=ops.sample_batches(data, steps=2, batch_size=1500, seed=1, counter=0))):
+        got = ops.local_steps(model, theta.clone(), data, steps=2, lr=0.1, **kw)
+        want = ops.local_steps_ref(model, theta.clone(), data, steps=2, lr=0.1, **kw)
+        torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(ops.gradients(model, theta, data), ops.gradients_ref(model, theta, data), **tol)
+    loss, correct, _ = ops.evaluate(model, theta, data)
+    rloss, rcorrect, _ = ops.evaluate_ref(model, theta, data)
+    torch.testing.assert_close(loss, rloss, **tol)
+    assert torch.equal(correct, rcorrect)
