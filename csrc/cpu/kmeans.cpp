@@ -1,8 +1,14 @@
 // k-means on the CPU (DESIGN.md §4): the assignment pass and the Lloyd update.
-// Distances are direct sums of squared differences, not ‖x‖²+‖c‖²−2x·c, so a point
-// equidistant from two identical centroids sees exactly equal distances and the tie goes
-// to the lowest index, as in the torch reference.
+//
+// Assignment in two stages, exact in the end:
+//  1. a screen with ‖x‖² + ‖c‖² − 2x·c, one FMA per point-centroid-feature (the dot products
+//     in 2-point × 4-centroid register blocks), and a rigorous bound E_k on its rounding error;
+//  2. the direct Σ(x − c)² for each centroid that the screen cannot rule out (usually one),
+//     all through the same code path, ties to the lowest index.
+// So labels and distances are those of the direct computation: a point equidistant from two
+// identical centroids sees exactly equal distances, as in the torch reference.
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <vector>
 
@@ -11,30 +17,51 @@
 namespace pflcore::cpu {
 namespace {
 
-// Centroids are visited in blocks that fit in L2 next to the current points.
-constexpr int64_t kCentroidBlockBytes = 256 * 1024;
-constexpr int64_t kPointTileBytes = 64 * 1024;
-
-// Squared distances of one point to 4 centroids, sharing each load of the point.
-// Every centroid goes through this same code path (short groups repeat a centroid), so
-// identical centroids always get identical distances.
+// Dot products of 2 points with 4 centroids, sharing every load.
 template <typename T>
-inline void sqdist4(const T* __restrict__ x, const T* __restrict__ c0, const T* __restrict__ c1,
-                    const T* __restrict__ c2, const T* __restrict__ c3, int64_t d, T out[4]) {
-  T a0 = T(0), a1 = T(0), a2 = T(0), a3 = T(0);
-#pragma omp simd reduction(+ : a0, a1, a2, a3)
+inline void dot2x4(const T* __restrict__ x0, const T* __restrict__ x1, const T* const* c, int64_t d,
+                   T out[2][4]) {
+  const T *__restrict__ c0 = c[0], *__restrict__ c1 = c[1], *__restrict__ c2 = c[2],
+          *__restrict__ c3 = c[3];
+  T a00 = T(0), a01 = T(0), a02 = T(0), a03 = T(0), a10 = T(0), a11 = T(0), a12 = T(0), a13 = T(0);
+#pragma omp simd reduction(+ : a00, a01, a02, a03, a10, a11, a12, a13)
   for (int64_t j = 0; j < d; ++j) {
-    const T v = x[j];
-    const T e0 = v - c0[j], e1 = v - c1[j], e2 = v - c2[j], e3 = v - c3[j];
-    a0 += e0 * e0;
-    a1 += e1 * e1;
-    a2 += e2 * e2;
-    a3 += e3 * e3;
+    a00 += x0[j] * c0[j];
+    a01 += x0[j] * c1[j];
+    a02 += x0[j] * c2[j];
+    a03 += x0[j] * c3[j];
+    a10 += x1[j] * c0[j];
+    a11 += x1[j] * c1[j];
+    a12 += x1[j] * c2[j];
+    a13 += x1[j] * c3[j];
   }
-  out[0] = a0;
-  out[1] = a1;
-  out[2] = a2;
-  out[3] = a3;
+  out[0][0] = a00, out[0][1] = a01, out[0][2] = a02, out[0][3] = a03;
+  out[1][0] = a10, out[1][1] = a11, out[1][2] = a12, out[1][3] = a13;
+}
+
+// The direct squared distance; every exact distance goes through this one function.
+template <typename T>
+inline T sqdist_direct(const T* __restrict__ x, const T* __restrict__ c, int64_t d) {
+  T acc = T(0);
+#pragma omp simd reduction(+ : acc)
+  for (int64_t j = 0; j < d; ++j) {
+    const T e = x[j] - c[j];
+    acc += e * e;
+  }
+  return acc;
+}
+
+inline double norm2(const float* v, int64_t d) {
+  double acc = 0.0;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t j = 0; j < d; ++j) acc += double(v[j]) * double(v[j]);
+  return acc;
+}
+inline double norm2(const double* v, int64_t d) {
+  double acc = 0.0;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t j = 0; j < d; ++j) acc += v[j] * v[j];
+  return acc;
 }
 
 }  // namespace
@@ -42,39 +69,57 @@ inline void sqdist4(const T* __restrict__ x, const T* __restrict__ c0, const T* 
 template <typename T>
 void kmeans_assign(const T* points, const T* centroids, int64_t N, int64_t K, int64_t d,
                    int64_t* labels, T* sqdist) {
-  const int64_t row_bytes = d * static_cast<int64_t>(sizeof(T));
-  const int64_t kb = std::max<int64_t>(4, kCentroidBlockBytes / row_bytes / 4 * 4);
-  const int64_t pt = std::clamp<int64_t>(kPointTileBytes / row_bytes, 1, 64);
-#pragma omp parallel for schedule(static)
-  for (int64_t t0 = 0; t0 < N; t0 += pt) {
-    const int64_t t1 = std::min(N, t0 + pt);
-    T best[64];
-    int64_t arg[64];
-    for (int64_t i = t0; i < t1; ++i) {
-      best[i - t0] = std::numeric_limits<T>::infinity();
-      arg[i - t0] = 0;
-    }
-    for (int64_t k0 = 0; k0 < K; k0 += kb) {
-      const int64_t k1 = std::min(K, k0 + kb);
-      for (int64_t i = t0; i < t1; ++i) {
-        const T* x = points + i * d;
-        for (int64_t k = k0; k < k1; k += 4) {
-          const T* c[4];
-          for (int u = 0; u < 4; ++u) c[u] = centroids + std::min(k + u, k1 - 1) * d;
-          T dist[4];
-          sqdist4(x, c[0], c[1], c[2], c[3], d, dist);
-          for (int u = 0; u < 4 && k + u < k1; ++u) {
-            if (dist[u] < best[i - t0]) {
-              best[i - t0] = dist[u];
-              arg[i - t0] = k + u;
-            }
+  // |fl(x·c) − x·c| ≤ γ_d Σ|x_j c_j| ≤ γ_d ‖x‖‖c‖ with γ_d ≈ d·u for any summation order, and
+  // the float64 norms are exact to far less; 10% and 4 extra roundings of slack on top.
+  const double u = std::numeric_limits<T>::epsilon() / 2;
+  const double gamma = 1.1 * double(d + 4) * u;
+  std::vector<double> cnorm2(K), cnorm(K);
+  for (int64_t k = 0; k < K; ++k) {
+    cnorm2[k] = norm2(centroids + k * d, d);
+    cnorm[k] = std::sqrt(cnorm2[k]);
+  }
+#pragma omp parallel
+  {
+    std::vector<double> screen(2 * K);
+#pragma omp for schedule(static)
+    for (int64_t i0 = 0; i0 < N; i0 += 2) {
+      const int np = i0 + 1 < N ? 2 : 1;
+      const T* x[2] = {points + i0 * d, points + (i0 + np - 1) * d};  // a lone point pairs with itself
+      double xnorm2[2], xnorm[2];
+      for (int q = 0; q < 2; ++q) {
+        xnorm2[q] = norm2(x[q], d);
+        xnorm[q] = std::sqrt(xnorm2[q]);
+      }
+      for (int64_t k = 0; k < K; k += 4) {
+        const T* c[4];
+        for (int v = 0; v < 4; ++v) c[v] = centroids + std::min(k + v, K - 1) * d;
+        T dots[2][4];
+        dot2x4(x[0], x[1], c, d, dots);
+        for (int q = 0; q < 2; ++q)
+          for (int v = 0; v < 4 && k + v < K; ++v)
+            screen[q * K + k + v] = xnorm2[q] + cnorm2[k + v] - 2.0 * double(dots[q][v]);
+      }
+      for (int q = 0; q < np; ++q) {
+        const double* s = screen.data() + q * K;
+        auto bound = [&](int64_t k) { return gamma * (xnorm[q] + cnorm[k]) * (xnorm[q] + cnorm[k]); };
+        int64_t khat = 0;
+        for (int64_t k = 1; k < K; ++k)
+          if (s[k] < s[khat]) khat = k;
+        // k can be the true nearest only if s[k] − E_k ≤ true(k) ≤ true(k̂) ≤ s[k̂] + E_k̂.
+        const double limit = s[khat] + bound(khat);
+        T best = std::numeric_limits<T>::infinity();
+        int64_t arg = khat;
+        for (int64_t k = 0; k < K; ++k) {
+          if (s[k] - bound(k) > limit) continue;
+          const T dist = sqdist_direct(x[q], centroids + k * d, d);
+          if (dist < best) {
+            best = dist;
+            arg = k;
           }
         }
+        labels[i0 + q] = arg;
+        sqdist[i0 + q] = best;
       }
-    }
-    for (int64_t i = t0; i < t1; ++i) {
-      labels[i] = arg[i - t0];
-      sqdist[i] = best[i - t0];
     }
   }
 }
