@@ -413,7 +413,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "kernels.json"), help="JSON output path")
-    ap.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (best is kept)")
+    ap.add_argument("--repeats", type=int, default=7, help="timed runs per measurement (best is kept)")
     ap.add_argument("--slow-clients", type=int, default=None,
                     help="run the slow local_steps baselines on this many clients and scale by rows")
     args = ap.parse_args()
