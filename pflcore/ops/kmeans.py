@@ -8,7 +8,7 @@ centroids: a warm start), optional sample weights; an empty cluster keeps its ce
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional
+from typing import Callable, List
 
 import numpy as np
 import torch

@@ -7,6 +7,7 @@ thread count, the backend, or how clients are sharded.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from pflcore import backend
@@ -17,9 +18,9 @@ _M32 = 0xFFFFFFFF
 
 
 def _check_u32(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _M32:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value <= _M32:
         raise ValueError(f"{name}: expected an integer in [0, 2**32), got {value!r}")
-    return value
+    return int(value)
 
 
 def _validate(data, steps, batch_size, seed, counter, clients):
