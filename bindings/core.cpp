@@ -99,12 +99,15 @@ void local_steps_t(int family, int64_t p, int64_t C, bool intercept, double l2, 
 template <typename T>
 void gradients_t(int family, int64_t p, int64_t C, bool intercept, double l2,
                  const py::array& theta, const py::array& x, const py::array& y,
-                 const py::array& offsets, const py::array& rows, py::array out) {
+                 const py::array& offsets, const py::array& rows, const py::object& batches,
+                 py::array out) {
   auto prob = make_problem<T>(family, p, C, intercept, l2, x, y, offsets, rows);
   const T* th = cptr<T>(theta, "theta", 2);
+  const int32_t* b = optional_cptr<int32_t>(batches, "batches", 2);
+  const int64_t B = batches.is_none() ? 0 : batches.cast<py::array>().shape(1);
   T* o = mptr<T>(out, "out", 2);
   py::gil_scoped_release nogil;
-  cpu::gradients<T>(prob, th, o);
+  cpu::gradients<T>(prob, th, b, B, o);
 }
 
 template <typename T>
@@ -213,8 +216,10 @@ PYBIND11_MODULE(_core, m) {
         "theta [R, d] <- K fused gradient steps per model row (in place)");
   m.def("gradients",
         [](int family, int64_t p, int64_t C, bool intercept, double l2, py::array theta,
-           py::array x, py::array y, py::array offsets, py::array rows, py::array out) {
-          PFL_DISPATCH(x, gradients_t, family, p, C, intercept, l2, theta, x, y, offsets, rows, out);
+           py::array x, py::array y, py::array offsets, py::array rows, py::object batches,
+           py::array out) {
+          PFL_DISPATCH(x, gradients_t, family, p, C, intercept, l2, theta, x, y, offsets, rows,
+                       batches, out);
         });
   m.def("evaluate",
         [](int family, int64_t p, int64_t C, bool intercept, double l2, py::array theta,

@@ -188,3 +188,22 @@ def test_clients_larger_than_one_chunk(family, C, dtype):
     rloss, rcorrect, _ = ops.evaluate_ref(model, theta, data)
     torch.testing.assert_close(loss, rloss, **tol)
     assert torch.equal(correct, rcorrect)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("family,p,C", [("softmax", 17, 10), ("logistic", 3, 1), ("least_squares", 61, 1)])
+def test_minibatch_gradients_match_reference(family, p, C, dtype):
+    model = make_model(family, p, C, l2=0.1)
+    data = make_data(model, random_sizes(7, seed=4), dtype, seed=6)
+    rows = torch.tensor([6, 0, 0, 3])
+    g = torch.Generator().manual_seed(3)
+    theta = torch.randn(4, model.d, generator=g, dtype=dtype)
+    b = ops.sample_batches(data, steps=1, batch_size=9, seed=2, counter=7, clients=rows)[:, 0]
+    got = ops.gradients(model, theta, data, rows=rows, batches=b)
+    torch.testing.assert_close(got, ops.gradients_ref(model, theta, data, rows=rows, batches=b), **TOL[dtype])
+    # A batch that lists every row of the client once is the full-batch gradient.
+    full = ops.gradients(model, theta[:1], data, rows=rows[:1])
+    lo, hi = int(data.offsets[6]), int(data.offsets[7])
+    every = torch.arange(lo, hi, dtype=torch.int32)[None]
+    torch.testing.assert_close(ops.gradients(model, theta[:1], data, rows=rows[:1], batches=every), full,
+                               **TOL[dtype])

@@ -13,7 +13,7 @@ void average(const T* theta, const T* weights, const int64_t* rows, int64_t R, i
   for (int64_t r = 0; r < R; ++r) wsum += double(weights[rows[r]]);
   const double inv = 1.0 / wsum;
   constexpr int64_t kCols = 256;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (R * d > 262144)
   for (int64_t j0 = 0; j0 < d; j0 += kCols) {
     const int64_t j1 = std::min(d, j0 + kCols);
     double acc[kCols] = {0.0};

@@ -358,7 +358,8 @@ void local_steps_family(const GlmProblem<T>& prob, const LocalStepsArgs<T>& args
 }
 
 template <Family F, typename T>
-void gradients_family(const GlmProblem<T>& prob, const T* theta, T* out) {
+void gradients_family(const GlmProblem<T>& prob, const T* theta, const int32_t* batches,
+                      int64_t batch_size, T* out) {
   const int64_t p = prob.p, C = prob.C, d = prob.d();
   const bool icpt = prob.intercept;
   for_each_model_row<F>(prob, [&](int64_t r, Workspace<F, T>& ws) {
@@ -366,9 +367,17 @@ void gradients_family(const GlmProblem<T>& prob, const T* theta, T* out) {
     const int64_t lo = prob.offsets[i], n = prob.offsets[i + 1] - lo;
     ws.w.load(theta + r * d, p, C, icpt);
     ws.g.zero();
-    pass_rows(prob, ws, [lo](int64_t t) { return lo + t; }, n, true, nullptr);
+    int64_t nb = n;
+    if (batches) {
+      const int32_t* batch = batches + r * batch_size;
+      nb = batch_size;
+      pass_rows(prob, ws, [batch](int64_t t) { return static_cast<int64_t>(batch[t]); }, nb, true,
+                nullptr);
+    } else {
+      pass_rows(prob, ws, [lo](int64_t t) { return lo + t; }, n, true, nullptr);
+    }
     ws.g.store(out + r * d, p, C, icpt);
-    const T inv_n = T(1) / static_cast<T>(n);
+    const T inv_n = T(1) / static_cast<T>(nb);
     T* o = out + r * d;
     const T* th = theta + r * d;
     for (int64_t k = 0; k < d; ++k) o[k] = o[k] * inv_n + prob.l2 * th[k];
@@ -409,8 +418,11 @@ void local_steps(const GlmProblem<T>& prob, const LocalStepsArgs<T>& args) {
 }
 
 template <typename T>
-void gradients(const GlmProblem<T>& prob, const T* theta, T* out) {
-  dispatch_family(prob.family, [&](auto F) { gradients_family<decltype(F)::value, T>(prob, theta, out); });
+void gradients(const GlmProblem<T>& prob, const T* theta, const int32_t* batches, int64_t batch_size,
+               T* out) {
+  dispatch_family(prob.family, [&](auto F) {
+    gradients_family<decltype(F)::value, T>(prob, theta, batches, batch_size, out);
+  });
 }
 
 template <typename T>
@@ -423,8 +435,10 @@ void evaluate(const GlmProblem<T>& prob, const T* theta, T* loss_sum, int64_t* c
 
 template void local_steps<float>(const GlmProblem<float>&, const LocalStepsArgs<float>&);
 template void local_steps<double>(const GlmProblem<double>&, const LocalStepsArgs<double>&);
-template void gradients<float>(const GlmProblem<float>&, const float*, float*);
-template void gradients<double>(const GlmProblem<double>&, const double*, double*);
+template void gradients<float>(const GlmProblem<float>&, const float*, const int32_t*, int64_t,
+                               float*);
+template void gradients<double>(const GlmProblem<double>&, const double*, const int32_t*, int64_t,
+                                double*);
 template void evaluate<float>(const GlmProblem<float>&, const float*, float*, int64_t*, int64_t*);
 template void evaluate<double>(const GlmProblem<double>&, const double*, double*, int64_t*,
                                int64_t*);

@@ -7,7 +7,8 @@ namespace pflcore::cpu {
 void sample_batches(const int64_t* offsets, const int64_t* clients, const int64_t* client_ids,
                     int64_t R, int64_t steps, int64_t B, uint32_t seed, uint32_t counter,
                     int32_t* out) {
-#pragma omp parallel for schedule(static)
+  // Small draws (a round's minibatches) are not worth waking the thread team.
+#pragma omp parallel for schedule(static) if (R * steps * B > 65536)
   for (int64_t r = 0; r < R; ++r) {
     const int64_t i = clients[r];
     const int64_t lo = offsets[i], n = offsets[i + 1] - lo;

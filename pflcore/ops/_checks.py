@@ -61,6 +61,10 @@ def check_shape(t: torch.Tensor, name: str, shape: Sequence[Optional[int]], what
         raise ValueError(f"{name}: expected shape {want}, got {shape_str(t)}")
 
 
+class NonFiniteError(ValueError):
+    """An argument holds NaN or infinite values (inside a training run: a divergence)."""
+
+
 def check_finite(t: torch.Tensor, name: str) -> None:
     # min and max propagate NaN and expose ±inf, in one pass without a [numel] bool temporary
     # (torch.isfinite(t).all() is ~17x slower on large tensors); counting runs only on failure.
@@ -69,7 +73,7 @@ def check_finite(t: torch.Tensor, name: str) -> None:
     lo, hi = torch.aminmax(t)
     if not (bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))):
         bad = int((~torch.isfinite(t)).sum())
-        raise ValueError(f"{name}: contains {bad} NaN or infinite value(s)")
+        raise NonFiniteError(f"{name}: contains {bad} NaN or infinite value(s)")
 
 
 def check_device(t: torch.Tensor, name: str, device: torch.device) -> None:

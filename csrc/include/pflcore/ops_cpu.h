@@ -41,8 +41,11 @@ struct LocalStepsArgs {
 template <typename T>
 void local_steps(const GlmProblem<T>& prob, const LocalStepsArgs<T>& args);
 
+// Gradient of f_i at each row: the mean loss over client i's rows, or over batch[r] when
+// batches is given, plus l2·θ.
 template <typename T>
-void gradients(const GlmProblem<T>& prob, const T* theta /*[R, d]*/, T* out /*[R, d]*/);
+void gradients(const GlmProblem<T>& prob, const T* theta /*[R, d]*/, const int32_t* batches /*[R, B] or null*/,
+               int64_t batch_size, T* out /*[R, d]*/);
 
 template <typename T>
 void evaluate(const GlmProblem<T>& prob, const T* theta /*[R, d]*/, T* loss_sum /*[R]*/,

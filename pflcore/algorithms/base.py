@@ -1,0 +1,123 @@
+"""What every algorithm shares (DESIGN.md §5): the run context and the algorithm protocol.
+
+An algorithm holds only its hyperparameters; every tensor lives in its ``state`` (a dataclass
+that ``torch.save`` can write and read back), so a checkpoint restores a run exactly.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Optional
+
+import torch
+
+from pflcore import ops
+from pflcore.data.federation import Federation
+from pflcore.models.glm import GLM
+
+_M32 = 0xFFFFFFFF
+
+
+@dataclass
+class Context:
+    """Everything a round needs besides the state: data, model, device, seed, sampling."""
+
+    federation: Federation
+    model: GLM
+    device: torch.device
+    seed: int = 0
+    clients_per_round: Optional[int] = None
+    client_steps: int = 0  # client-steps done so far (for the throughput metric)
+    train: object = field(init=False)
+    test: object = field(init=False)
+    weights: torch.Tensor = field(init=False)
+
+    def __post_init__(self):
+        self.train = self.federation.train
+        self.test = self.federation.test
+        self.weights = self.federation.weights
+
+    @property
+    def m(self) -> int:
+        return self.federation.num_clients
+
+    @property
+    def d(self) -> int:
+        return self.model.d
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.train.dtype
+
+    def sample_clients(self, t: int) -> torch.Tensor:
+        """``int64 [S]`` sorted ids of the clients of round t, drawn from a generator keyed by
+        (seed, t) alone, so a resumed or sharded run draws the same clients."""
+        if self.clients_per_round is None or self.clients_per_round >= self.m:
+            return torch.arange(self.m, device=self.device)
+        g = torch.Generator().manual_seed((self.seed * 1_000_003 + t * 7919 + 17) & 0x7FFFFFFFFFFFFFFF)
+        chosen = torch.randperm(self.m, generator=g)[: self.clients_per_round]
+        return chosen.sort().values.to(self.device)
+
+    def batches(self, t: int, stream: int, clients: torch.Tensor, steps: int, batch_size: int) -> torch.Tensor:
+        """``int32 [S, steps, B]`` minibatches for round t; ``stream`` separates independent
+        draws within a round (e.g. pFedMe's local rounds)."""
+        counter = ((t & 0xFFFFFF) << 8 | (stream & 0xFF)) & _M32
+        return ops.sample_batches(self.train, steps=steps, batch_size=batch_size, seed=self.seed & _M32,
+                                  counter=counter, clients=clients)
+
+    def count(self, client_steps: int) -> None:
+        self.client_steps += int(client_steps)
+
+
+class Algorithm:
+    """Base class: subclasses set ``name`` and implement init/round/personalized/global_model."""
+
+    name = "algorithm"
+
+    def init(self, ctx: Context):
+        raise NotImplementedError
+
+    def round(self, state, ctx: Context, t: int):
+        raise NotImplementedError
+
+    def personalized(self, state) -> Optional[torch.Tensor]:
+        return None
+
+    def global_model(self, state) -> Optional[torch.Tensor]:
+        return None
+
+    def residual(self, state) -> Optional[float]:
+        """‖T(u) − u‖ of the last round for fixed-point methods, else None."""
+        return None
+
+    def hyperparameters(self) -> dict:
+        return {k: v for k, v in vars(self).items() if not k.startswith("_")}
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.hyperparameters().items())
+        return f"{type(self).__name__}({args})"
+
+
+def positive(value, name: str, algorithm: str, *, allow_zero: bool = False) -> float:
+    """A hyperparameter check that names the algorithm and the argument."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{algorithm}: {name} must be a number, got {value!r}") from None
+    if not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero):
+        raise ValueError(f"{algorithm}: {name} must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+    return v
+
+
+def count_int(value, name: str, algorithm: str, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{algorithm}: {name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def state_tensors(state):
+    """(name, tensor) pairs of a state dataclass, for finiteness checks."""
+    for f in fields(state):
+        v = getattr(state, f.name)
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            yield f.name, v

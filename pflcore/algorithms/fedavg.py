@@ -1,0 +1,72 @@
+"""LocalTrain (every client alone) and FedAvg (= GlobalTrain) (DESIGN.md §5)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from pflcore import ops
+from pflcore.algorithms.base import Algorithm, Context, count_int, positive
+
+
+@dataclass
+class LocalState:
+    theta: torch.Tensor  # [m, d] one model per client
+
+
+class LocalTrain(Algorithm):
+    """Each client trains its own model: ``steps`` gradient steps of size ``lr`` per round, on
+    its full data or on minibatches of ``batch_size``. No communication."""
+
+    name = "LocalTrain"
+
+    def __init__(self, lr: float, steps: int = 1, batch_size: Optional[int] = None):
+        self.lr = positive(lr, "lr", self.name)
+        self.steps = count_int(steps, "steps", self.name)
+        self.batch_size = None if batch_size is None else count_int(batch_size, "batch_size", self.name)
+
+    def init(self, ctx: Context) -> LocalState:
+        return LocalState(ctx.model.zeros(ctx.m, ctx.dtype, ctx.device))
+
+    def round(self, state: LocalState, ctx: Context, t: int) -> LocalState:
+        clients = torch.arange(ctx.m, device=ctx.device)
+        b = None if self.batch_size is None else ctx.batches(t, 0, clients, self.steps, self.batch_size)
+        ops.local_steps(ctx.model, state.theta, ctx.train, steps=self.steps, lr=self.lr, batches=b)
+        ctx.count(ctx.m * self.steps)
+        return state
+
+    def personalized(self, state: LocalState) -> torch.Tensor:
+        return state.theta
+
+
+@dataclass
+class GlobalState:
+    w: torch.Tensor  # [d] the global model
+
+
+class FedAvg(Algorithm):
+    """FedAvg: the sampled clients take ``local_steps`` steps of size ``lr`` from the global
+    model; the server averages them with the client weights p_i (renormalized over the sample)."""
+
+    name = "FedAvg"
+
+    def __init__(self, lr: float, local_steps: int = 1, batch_size: Optional[int] = None):
+        self.lr = positive(lr, "lr", self.name)
+        self.local_steps = count_int(local_steps, "local_steps", self.name)
+        self.batch_size = None if batch_size is None else count_int(batch_size, "batch_size", self.name)
+
+    def init(self, ctx: Context) -> GlobalState:
+        return GlobalState(torch.zeros(ctx.d, dtype=ctx.dtype, device=ctx.device))
+
+    def round(self, state: GlobalState, ctx: Context, t: int) -> GlobalState:
+        S = ctx.sample_clients(t)
+        theta = state.w.expand(S.numel(), ctx.d).contiguous()
+        b = None if self.batch_size is None else ctx.batches(t, 0, S, self.local_steps, self.batch_size)
+        ops.local_steps(ctx.model, theta, ctx.train, steps=self.local_steps, lr=self.lr, rows=S, batches=b)
+        state.w = ops.average(theta, ctx.weights[S])
+        ctx.count(S.numel() * self.local_steps)
+        return state
+
+    def global_model(self, state: GlobalState) -> torch.Tensor:
+        return state.w

@@ -1,0 +1,73 @@
+"""pFedMe ("Personalized Federated Learning with Moreau Envelopes", Alg. 1; DESIGN.md §5).
+
+Round t: the server sends w; each training client sets w_i ← w and θ_i ← w, then for
+r = 1..R draws a minibatch D and approximately solves the personal problem
+min_θ f_i(θ; D) + λ/2‖θ − w_i‖² with K gradient steps of size ``personal_lr`` (one
+``ops.local_steps`` call for all clients: prox = λ, anchor = w_i), and moves
+w_i ← w_i − η λ (w_i − θ_i). The server sets w ← (1 − β) w + β Σ_{i∈S} p_i w_i (p over S).
+``train_all`` (the public code): every client trains and the sampled S are aggregated; else only
+S trains. ``personal_eval``: "theta" evaluates θ_i, "local" evaluates w_i.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pflcore import ops
+from pflcore.algorithms.base import Algorithm, Context, count_int, positive
+
+
+@dataclass
+class PFedMeState:
+    w: torch.Tensor        # [d] global model
+    w_local: torch.Tensor  # [m, d] local models w_i
+    theta: torch.Tensor    # [m, d] personal models θ_i
+
+
+class PFedMe(Algorithm):
+    name = "pFedMe"
+
+    def __init__(self, lam: float, lr: float, personal_lr: float, inner_steps: int = 5, local_rounds: int = 20,
+                 beta: float = 1.0, batch_size: int = 20, train_all: bool = True, personal_eval: str = "theta"):
+        self.lam = positive(lam, "lam", self.name)
+        self.lr = positive(lr, "lr", self.name)
+        self.personal_lr = positive(personal_lr, "personal_lr", self.name)
+        self.inner_steps = count_int(inner_steps, "inner_steps", self.name)
+        self.local_rounds = count_int(local_rounds, "local_rounds", self.name)
+        self.beta = positive(beta, "beta", self.name)
+        self.batch_size = count_int(batch_size, "batch_size", self.name)
+        self.train_all = bool(train_all)
+        if personal_eval not in ("theta", "local"):
+            raise ValueError(f"{self.name}: personal_eval must be 'theta' or 'local', got {personal_eval!r}")
+        self.personal_eval = personal_eval
+
+    def init(self, ctx: Context) -> PFedMeState:
+        zeros = ctx.model.zeros(ctx.m, ctx.dtype, ctx.device)
+        return PFedMeState(torch.zeros(ctx.d, dtype=ctx.dtype, device=ctx.device), zeros, zeros.clone())
+
+    def round(self, state: PFedMeState, ctx: Context, t: int) -> PFedMeState:
+        S = ctx.sample_clients(t)
+        trainers = torch.arange(ctx.m, device=ctx.device) if self.train_all else S
+        T = trainers.numel()
+        w_local = state.w.expand(T, ctx.d).contiguous()
+        theta = w_local.clone()
+        for r in range(self.local_rounds):
+            # One minibatch per local round, reused by the K inner steps.
+            batch = ctx.batches(t, r, trainers, 1, self.batch_size)
+            batches = batch.expand(T, self.inner_steps, self.batch_size).contiguous()
+            ops.local_steps(ctx.model, theta, ctx.train, steps=self.inner_steps, lr=self.personal_lr,
+                            prox=self.lam, anchor=w_local, rows=trainers, batches=batches)
+            w_local -= self.lr * self.lam * (w_local - theta)
+        state.w_local[trainers] = w_local
+        state.theta[trainers] = theta
+        mean = ops.average(state.w_local[S].contiguous(), ctx.weights[S])
+        state.w = (1 - self.beta) * state.w + self.beta * mean
+        ctx.count(T * self.local_rounds * self.inner_steps)
+        return state
+
+    def personalized(self, state: PFedMeState) -> torch.Tensor:
+        return state.theta if self.personal_eval == "theta" else state.w_local
+
+    def global_model(self, state: PFedMeState) -> torch.Tensor:
+        return state.w

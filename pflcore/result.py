@@ -1,0 +1,89 @@
+"""The outcome of ``pflcore.run``: per-evaluation history, final models and state (DESIGN.md §5)."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import torch
+
+# Columns of Result.table(), in order, with their formats.
+_TABLE = [("round", "{:d}"), ("personalized_acc", "{:.4f}"), ("global_acc", "{:.4f}"), ("train_loss", "{:.4g}"),
+          ("stat_error_local", "{:.4g}"), ("stat_error_global", "{:.4g}"), ("residual", "{:.3g}"),
+          ("seconds", "{:.3f}"), ("client_steps_per_s", "{:.3g}")]
+
+
+@dataclass
+class Result:
+    algorithm: str
+    history: List[Dict[str, Any]]
+    personalized: Optional[torch.Tensor]
+    global_model: Optional[torch.Tensor]
+    state: Any
+    config: Dict[str, Any] = field(default_factory=dict)
+
+    def final(self, key: str, default=None):
+        """The last recorded value of a metric."""
+        for row in reversed(self.history):
+            if row.get(key) is not None:
+                return row[key]
+        return default
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"algorithm": self.algorithm, "config": self.config, "history": self.history}
+
+    def to_json(self, path: Optional[str] = None) -> str:
+        """The history and configuration as JSON (NaN written as null); also to ``path``."""
+        def clean(v):
+            if isinstance(v, float) and not math.isfinite(v):
+                return None
+            if isinstance(v, dict):
+                return {k: clean(x) for k, x in v.items()}
+            if isinstance(v, (list, tuple)):
+                return [clean(x) for x in v]
+            return v
+        text = json.dumps(clean(self.to_dict()), indent=1)
+        if path:
+            with open(path, "w") as fh:
+                fh.write(text)
+        return text
+
+    def table(self, every: int = 1) -> str:
+        cols = [(k, f) for k, f in _TABLE if any(r.get(k) is not None for r in self.history)]
+        lines = [" ".join(f"{k:>18}" for k, _ in cols)]
+        for row in self.history[::every]:
+            cells = []
+            for k, fmt in cols:
+                v = row.get(k)
+                cells.append(f"{fmt.format(v) if v is not None else '-':>18}")
+            lines.append(" ".join(cells))
+        return "\n".join(lines)
+
+    def plot(self, path: str, keys=("personalized_acc", "global_acc")) -> str:
+        """Curves of ``keys`` against the round, as a PNG (needs matplotlib: extra ``plot``)."""
+        return plot_results({self.algorithm: self}, path, keys)
+
+
+def plot_results(results: Dict[str, "Result"], path: str, keys=("personalized_acc", "global_acc")) -> str:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError("plotting needs matplotlib: pip install 'pflcore[plot]'") from exc
+    keys = [k for k in keys if any(r.final(k) is not None for r in results.values())]
+    fig, axes = plt.subplots(1, max(1, len(keys)), figsize=(5.5 * max(1, len(keys)), 4), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        for label, res in results.items():
+            pts = [(r["round"], r[key]) for r in res.history if r.get(key) is not None]
+            if pts:
+                ax.plot(*zip(*pts), label=label)
+        ax.set_xlabel("round")
+        ax.set_ylabel(key.replace("_", " "))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
