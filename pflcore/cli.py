@@ -1,4 +1,5 @@
-"""Command line: ``pflcore info`` (more subcommands come with the simulator)."""
+"""Command line: ``pflcore run [EXPERIMENT.toml] [--algo NAME ...] [key=value ...]`` and
+``pflcore info``."""
 from __future__ import annotations
 
 import argparse
@@ -27,12 +28,42 @@ def _info(_args) -> int:
     return 0
 
 
+def _run(args) -> int:
+    from pflcore import experiments
+
+    if args.experiment and "=" in args.experiment and not args.experiment.endswith(".toml"):
+        args.overrides.insert(0, args.experiment)  # `pflcore run rounds=10`: no file, an override
+        args.experiment = None
+    cfg = experiments.apply_overrides(experiments.load(args.experiment), args.overrides)
+    print(f"pflcore run: {cfg.get('name', args.experiment)} — {len(cfg.get('algorithms', {}))} algorithm(s), "
+          f"{cfg.get('rounds')} rounds, seeds {cfg.get('seeds', [0])}")
+    summary = experiments.run_experiment(cfg, only=args.algo, progress=not args.no_progress, out=args.out)
+    metrics = cfg.get("metrics", ["personalized_acc", "global_acc", "stat_error_local", "stat_error_global"])
+    print()
+    print(experiments.format_table(summary["rows"], metrics))
+    out = args.out or cfg.get("out") or "pflcore_results"
+    print(f"\nwrote {out}/summary.json, per-run JSON and a PNG ({summary['seconds']:.0f} s)")
+    return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="pflcore", description="Fast personalized federated learning core")
     sub = parser.add_subparsers(dest="command", required=True)
     p_info = sub.add_parser("info", help="version, and which backends load (and why not)")
     p_info.set_defaults(func=_info)
-    args = parser.parse_args(argv)
+    p_run = sub.add_parser("run", help="run an experiment (TOML) or, with no file, the default comparison")
+    p_run.add_argument("experiment", nargs="?", help="experiment TOML file (default: the built-in comparison)")
+    p_run.add_argument("overrides", nargs="*", help="key=value overrides, dotted keys (e.g. rounds=50)")
+    p_run.add_argument("--algo", action="append", help="run only this algorithm (repeatable)")
+    p_run.add_argument("--out", help="output folder (default: the experiment's `out`)")
+    p_run.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p_run.set_defaults(func=_run)
+    # Overrides may follow options (`pflcore run exp.toml --algo pFedMe rounds=10`).
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if args.command != "run" or any("=" not in tok or tok.startswith("-") for tok in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = list(args.overrides) + extra
     return args.func(args)
 
 

@@ -51,6 +51,8 @@ def evaluate_round(algorithm: Algorithm, state, ctx: Context, t: int) -> dict:
         if personal is None:
             tl, _, tc = ops.evaluate(model, W, ctx.train)
             row["train_loss"] = float(tl.sum()) / float(tc.sum())
+            if fed.truth is not None and fed.truth.shape == W.shape:  # every client uses w
+                row["stat_error_local"] = float(((W - fed.truth.to(W)) ** 2).sum(1).mean())
         if fed.truth_global is not None and fed.truth_global.shape == w.shape:
             row["stat_error_global"] = float(((w - fed.truth_global.to(w)) ** 2).sum())
     if not model.is_classifier:  # accuracies are meaningless for regression

@@ -27,7 +27,7 @@ def glm_hvp(model: GLM, theta: torch.Tensor, v: torch.Tensor, x: torch.Tensor, y
     squares, σ(1−σ) for logistic, diag(s) − ssᵀ for softmax), plus l2·v.
     """
     R, B = batches.shape
-    P, C, p = model.P, model.C, model.p
+    P, C = model.P, model.C
     idx = batches.to(torch.int64)
     X = x[idx]                                                    # [R, B, p]
     if model.fit_intercept:

@@ -1,0 +1,215 @@
+"""Experiments as data: a TOML file (or dict) names the data, the model, the algorithms, the
+rounds and the seeds; ``run_experiment`` runs every algorithm on every seed and writes a table,
+JSON and PNG (DESIGN.md §1: ``pflcore run``). An optional ``[sweep]`` varies one key."""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import statistics
+import time
+from typing import Any, Dict, List, Optional
+
+from pflcore import algorithms as A
+from pflcore import data as D
+from pflcore import models as M
+from pflcore.result import plot_results
+from pflcore.run import run
+
+# The comparison `pflcore run` makes with no arguments: Synthetic(0.5, 0.5), 100 clients,
+# multinomial logistic regression, the pFedMe paper's hyperparameters, 100 rounds.
+DEFAULT: Dict[str, Any] = {
+    "name": "default_synthetic",
+    "rounds": 100, "clients_per_round": 10, "eval_every": 5, "seeds": [0], "out": "pflcore_results",
+    "metrics": ["personalized_acc", "global_acc"],
+    "data": {"generator": "synthetic", "alpha": 0.5, "beta": 0.5, "num_clients": 100},
+    "model": {"family": "softmax"},
+    "algorithms": {
+        "pFedMe": {"type": "pfedme", "lam": 15.0, "lr": 0.005, "personal_lr": 0.01, "inner_steps": 5,
+                   "local_rounds": 20, "batch_size": 20, "beta": 1.0},
+        "FedProx": {"type": "fedprox", "lam": 0.5, "local_lr": 0.05, "global_lr": 1.0, "local_steps": 20},
+        "Per-FedAvg": {"type": "perfedavg", "alpha": 0.005, "beta": 0.001, "local_steps": 20, "batch_size": 20},
+        "FedAvg": {"type": "fedavg", "lr": 0.005, "local_steps": 20, "batch_size": 20},
+        "LocalTrain": {"type": "localtrain", "lr": 0.005, "steps": 20, "batch_size": 20},
+    },
+}
+
+GENERATORS = {"synthetic": D.synthetic, "logistic_truth": D.logistic_truth, "least_squares": D.least_squares,
+              "two_groups": D.two_groups}
+
+
+def load(path: Optional[str]) -> Dict[str, Any]:
+    """The experiment in ``path`` (TOML), or the default comparison."""
+    if path is None:
+        return copy.deepcopy(DEFAULT)
+    try:
+        import tomllib
+    except ImportError:  # Python < 3.11
+        import tomli as tomllib  # type: ignore
+    with open(path, "rb") as fh:
+        return tomllib.load(fh)
+
+
+def apply_overrides(cfg: Dict[str, Any], overrides: List[str]) -> Dict[str, Any]:
+    """``key=value`` pairs with dotted keys (``data.num_clients=50``, ``algorithms.pFedMe.lam=20``);
+    values are parsed as TOML scalars/arrays where possible, else kept as strings."""
+    import tomllib
+
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r}: expected key=value")
+        key, raw = item.split("=", 1)
+        try:
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw
+        node = cfg
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return cfg
+
+
+def build_federation(spec: Dict[str, Any], seed: int):
+    spec = dict(spec)
+    name = spec.pop("generator", None)
+    if name not in GENERATORS:
+        raise ValueError(f"data.generator: expected one of {sorted(GENERATORS)}, got {name!r}")
+    spec.setdefault("seed", seed)
+    return GENERATORS[name](**spec)
+
+
+def build_model(spec: Dict[str, Any], fed):
+    spec = dict(spec or {})
+    family = spec.pop("family", "softmax")
+    p = fed.num_features
+    if "fit_intercept" not in spec and "model" in fed.meta:  # follow the generator's truth layout
+        spec["fit_intercept"] = "fit_intercept=False" not in fed.meta["model"]
+    if family == "softmax":
+        return M.Softmax(p, fed.num_classes, **spec)
+    if family == "logistic":
+        return M.Logistic(p, **spec)
+    if family == "least_squares":
+        return M.LeastSquares(p, **spec)
+    raise ValueError(f"model.family: expected softmax, logistic or least_squares, got {family!r}")
+
+
+def build_algorithm(label: str, spec: Dict[str, Any], fed, model):
+    spec = dict(spec)
+    kind = str(spec.pop("type", label)).lower().replace("-", "").replace("_", "")
+    if kind not in A.REGISTRY:
+        raise ValueError(f"algorithms.{label}.type: unknown algorithm {kind!r}; known: {sorted(A.REGISTRY)}")
+    if kind == "fedprox" and spec.get("lam") == "adaptive":
+        # λ from the heterogeneity R of the data and the training samples per client.
+        n = int(fed.train.sizes.min())
+        spec["lam"] = min(A.FedProx.adaptive_lambda(float(fed.meta.get("R", 0.0)), n), 1e6)
+    if kind == "fedprox" and spec.get("local_lr") == "auto":
+        L = A.FedProx.smoothness(fed)
+        spec["global_lr"], spec["local_lr"] = A.FedProx.step_sizes(L, spec["lam"])
+    return A.REGISTRY[kind](**spec)
+
+
+def _summary(values: List[Optional[float]]):
+    vals = [v for v in values if v is not None and math.isfinite(v)]
+    if not vals:
+        return None, None
+    return statistics.fmean(vals), (statistics.pstdev(vals) if len(vals) > 1 else 0.0)
+
+
+def run_experiment(cfg: Dict[str, Any], *, only: Optional[List[str]] = None, progress: bool = True,
+                   out: Optional[str] = None, log=print) -> Dict[str, Any]:
+    """Run every (sweep value, algorithm, seed); returns and writes a summary."""
+    cfg = copy.deepcopy(cfg)
+    out = out or cfg.get("out") or "pflcore_results"
+    os.makedirs(out, exist_ok=True)
+    algos = cfg.get("algorithms") or {}
+    if only:
+        lower = {k.lower(): k for k in algos}
+        missing = [a for a in only if a.lower() not in lower]
+        if missing:
+            raise ValueError(f"--algo: unknown {missing}; this experiment has {list(algos)}")
+        algos = {lower[a.lower()]: algos[lower[a.lower()]] for a in only}
+    sweep = cfg.get("sweep")
+    points = [(None, None)] if not sweep else [(sweep["key"], v) for v in sweep["values"]]
+    seeds = cfg.get("seeds", [0])
+    metrics = cfg.get("metrics", ["personalized_acc", "global_acc", "stat_error_local", "stat_error_global"])
+    rows, curves = [], {}
+    t_start = time.perf_counter()
+    for key, value in points:
+        point_cfg = apply_overrides(copy.deepcopy(cfg), [f"{key}={json.dumps(value)}"]) if key else cfg
+        for label, spec in algos.items():
+            finals = {k: [] for k in metrics}
+            for seed in seeds:
+                fed = build_federation(point_cfg["data"], seed)
+                model = build_model(point_cfg.get("model"), fed)
+                alg = build_algorithm(label, point_cfg["algorithms"][label], fed, model)
+                res = run(alg, fed, model, rounds=point_cfg["rounds"], clients_per_round=point_cfg.get("clients_per_round"),
+                          seed=seed, eval_every=point_cfg.get("eval_every", 1), progress=progress)
+                for k in metrics:
+                    finals[k].append(res.final(k))
+                tag = label if key is None else f"{label} ({key}={value})"
+                curves.setdefault(tag, res)
+                res.to_json(os.path.join(out, f"{_slug(tag)}_seed{seed}.json"))
+            row = {"algorithm": label, "sweep": value}
+            for k in metrics:
+                row[k], row[k + "_std"] = _summary(finals[k])
+            rows.append(row)
+            log(_row_text(row, metrics, key))
+    summary = {"name": cfg.get("name"), "config": cfg, "rows": rows, "seconds": time.perf_counter() - t_start}
+    with open(os.path.join(out, "summary.json"), "w") as fh:
+        json.dump(summary, fh, indent=1)
+    try:
+        if sweep:
+            _plot_sweep(rows, sweep, metrics, os.path.join(out, "sweep.png"))
+        else:
+            plot_results(curves, os.path.join(out, "curves.png"))
+    except ImportError as exc:
+        log(f"(no plot: {exc})")
+    return summary
+
+
+def _slug(text: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in text)
+
+
+def _row_text(row, metrics, key) -> str:
+    parts = [f"{row['algorithm']:<14}"] + ([f"{key}={row['sweep']:<6}"] if key else [])
+    for k in metrics:
+        if row[k] is not None:
+            parts.append(f"{k} {row[k]:.4f} ± {row[k + '_std']:.4f}")
+    return "  ".join(parts)
+
+
+def format_table(rows, metrics) -> str:
+    shown = [k for k in metrics if any(r[k] is not None for r in rows)]
+    head = f"{'algorithm':<14} {'sweep':>8} " + " ".join(f"{k:>24}" for k in shown)
+    lines = [head]
+    for r in rows:
+        cells = [f"{r[k]:.4f} ± {r[k + '_std']:.4f}" if r[k] is not None else "-" for k in shown]
+        lines.append(f"{r['algorithm']:<14} {str(r['sweep'] if r['sweep'] is not None else ''):>8} "
+                     + " ".join(f"{c:>24}" for c in cells))
+    return "\n".join(lines)
+
+
+def _plot_sweep(rows, sweep, metrics, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metric = sweep.get("metric") or next(k for k in metrics if any(r[k] is not None for r in rows))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label in dict.fromkeys(r["algorithm"] for r in rows):
+        pts = [(r["sweep"], r[metric]) for r in rows if r["algorithm"] == label and r[metric] is not None]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=label)
+    ax.set_xlabel(sweep["key"])
+    ax.set_ylabel(metric.replace("_", " "))
+    if sweep.get("log_y"):
+        ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
