@@ -125,3 +125,24 @@ def test_diverging_run_names_round_and_algorithm(tmp_path):
     assert kept, "the last good checkpoint is kept"
     last = torch.load(tmp_path / kept[-1], weights_only=False)
     assert bool(torch.isfinite(last["state"].w).all())
+
+
+def test_pfedme_switches_train_all_and_personal_eval():
+    fed = data.synthetic(0.5, 0.5, num_clients=8, dim=5, num_classes=3, seed=4, size_scale=1, max_size=100)
+    model = models.Softmax(5, 3)
+    from pflcore.algorithms.base import Context
+
+    ctx = Context(fed, model, torch.device("cpu"), seed=0, clients_per_round=3)
+    S = ctx.sample_clients(1)
+    only = A.PFedMe(lam=15, lr=0.01, personal_lr=0.05, inner_steps=2, local_rounds=2, batch_size=5, train_all=False)
+    state = only.round(only.init(ctx), ctx, 1)
+    trained = (state.theta != 0).any(dim=1)
+    assert trained.tolist() == [i in S.tolist() for i in range(8)]
+    every = A.PFedMe(lam=15, lr=0.01, personal_lr=0.05, inner_steps=2, local_rounds=2, batch_size=5)
+    state_all = every.round(every.init(ctx), ctx, 1)
+    assert bool((state_all.theta != 0).any(dim=1).all())
+    # Only the sampled clients are aggregated, so both variants produce the same global model.
+    torch.testing.assert_close(state_all.w, state.w)
+    local_eval = A.PFedMe(lam=15, lr=0.01, personal_lr=0.05, personal_eval="local")
+    assert local_eval.personalized(state_all) is state_all.w_local
+    assert every.personalized(state_all) is state_all.theta
