@@ -61,9 +61,11 @@ class Context:
     def batches(self, t: int, stream: int, clients: torch.Tensor, steps: int, batch_size: int) -> torch.Tensor:
         """``int32 [S, steps, B]`` minibatches for round t; ``stream`` separates independent
         draws within a round (e.g. pFedMe's local rounds)."""
-        counter = ((t & 0xFFFFFF) << 8 | (stream & 0xFF)) & _M32
-        return ops.sample_batches(self.train, steps=steps, batch_size=batch_size, seed=self.seed & _M32,
-                                  counter=counter, clients=clients)
+        # The round is the counter; the stream moves the seed by a multiple of the golden ratio,
+        # so neither the number of rounds nor of streams is limited and no two draws repeat.
+        seed = (self.seed + 0x9E3779B9 * (stream + 1)) & _M32
+        return ops.sample_batches(self.train, steps=steps, batch_size=batch_size, seed=seed, counter=t & _M32,
+                                  clients=clients)
 
     def count(self, client_steps: int) -> None:
         self.client_steps += int(client_steps)
