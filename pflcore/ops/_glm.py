@@ -45,6 +45,19 @@ def validate(model, theta, data, rows, op: str) -> Tuple[torch.Tensor, bool, tor
     return theta_t, is_np, rows_t
 
 
+def check_batch_rows(batches: torch.Tensor, data: ClientData, rows: torch.Tensor) -> None:
+    """Every index in ``batches [R, ...]`` must lie in the rows of client ``rows[r]``."""
+    b64 = batches.to(torch.int64)
+    shape = (-1,) + (1,) * (b64.dim() - 1)
+    lo, hi = data.offsets[rows].view(shape), data.offsets[rows + 1].view(shape)
+    bad = (b64 < lo) | (b64 >= hi)
+    if bool(bad.any()):
+        at = tuple(int(v) for v in torch.nonzero(bad)[0])
+        r = at[0]
+        raise ValueError(f"batches: index {int(b64[at])} at {list(at)} is outside the rows "
+                         f"[{int(data.offsets[rows[r]])}, {int(data.offsets[rows[r] + 1])}) of client {int(rows[r])}")
+
+
 def native_args(model: GLM, theta: torch.Tensor, data: ClientData, rows: torch.Tensor) -> tuple:
     """The leading arguments of _core.local_steps / gradients / evaluate."""
     return (model.code, model.p, model.C, model.fit_intercept, model.l2, cpu_numpy(theta),

@@ -19,13 +19,7 @@ def _validate_batches(batches, data, rows_t, R):
     check_shape(b, "batches", (R, None), "[R, B]")
     if b.shape[1] < 1:
         raise ValueError(f"batches: expected at least one row per batch, got shape {list(b.shape)}")
-    b64 = b.to(torch.int64)
-    lo, hi = data.offsets[rows_t][:, None], data.offsets[rows_t + 1][:, None]
-    bad = (b64 < lo) | (b64 >= hi)
-    if bool(bad.any()):
-        r, j = (int(v) for v in torch.nonzero(bad)[0])
-        raise ValueError(f"batches: index {int(b64[r, j])} at [{r}, {j}] is outside the rows "
-                         f"[{int(lo[r])}, {int(hi[r])}) of client {int(rows_t[r])}")
+    _glm.check_batch_rows(b, data, rows_t)
     return b.contiguous()
 
 

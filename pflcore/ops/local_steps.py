@@ -44,14 +44,7 @@ def _validate(model, theta, data, steps, lr, prox, anchor, batches, rows, grad_s
         if batches_t.shape[2] < 1:
             raise ValueError(f"batches: expected at least one row per batch, got shape {list(batches_t.shape)}")
         batches_t = batches_t.contiguous()
-        lo = data.offsets[rows_t].to(torch.int64)[:, None, None]
-        hi = data.offsets[rows_t + 1].to(torch.int64)[:, None, None]
-        b64 = batches_t.to(torch.int64)
-        bad = (b64 < lo) | (b64 >= hi)
-        if bool(bad.any()):
-            r, s, j = (int(v) for v in torch.nonzero(bad)[0])
-            raise ValueError(f"batches: index {int(b64[r, s, j])} at [{r}, {s}, {j}] is outside the rows "
-                             f"[{int(lo[r])}, {int(hi[r])}) of client {int(rows_t[r])}")
+        _glm.check_batch_rows(batches_t, data, rows_t)
     grad_scale_t = _glm.optional_vector(grad_scale, "grad_scale", R, data.dtype, data.device)
     return theta_t, is_np, rows_t, steps, lr, prox, anchor_t, batches_t, grad_scale_t
 
