@@ -6,7 +6,7 @@ that ``torch.save`` can write and read back), so a checkpoint restores a run exa
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Optional
 
 import torch
@@ -117,9 +117,12 @@ def count_int(value, name: str, algorithm: str, minimum: int = 1) -> int:
     return value
 
 
-def state_tensors(state):
-    """(name, tensor) pairs of a state dataclass, for finiteness checks."""
+def state_tensors(state, prefix: str = ""):
+    """(name, tensor) pairs of a state dataclass (and of dataclasses inside it), for
+    finiteness checks."""
     for f in fields(state):
         v = getattr(state, f.name)
         if isinstance(v, torch.Tensor) and v.is_floating_point():
-            yield f.name, v
+            yield prefix + f.name, v
+        elif is_dataclass(v):
+            yield from state_tensors(v, prefix + f.name + ".")

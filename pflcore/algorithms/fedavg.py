@@ -70,3 +70,10 @@ class FedAvg(Algorithm):
 
     def global_model(self, state: GlobalState) -> torch.Tensor:
         return state.w
+
+    def fixed_point(self, state: GlobalState) -> torch.Tensor:
+        return state.w
+
+    def set_fixed_point(self, state: GlobalState, w: torch.Tensor) -> GlobalState:
+        state.w = w
+        return state

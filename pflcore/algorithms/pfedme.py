@@ -71,3 +71,10 @@ class PFedMe(Algorithm):
 
     def global_model(self, state: PFedMeState) -> torch.Tensor:
         return state.w
+
+    def fixed_point(self, state: PFedMeState) -> torch.Tensor:
+        return state.w
+
+    def set_fixed_point(self, state: PFedMeState, w: torch.Tensor) -> PFedMeState:
+        state.w = w
+        return state
