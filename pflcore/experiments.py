@@ -11,6 +11,8 @@ import statistics
 import time
 from typing import Any, Dict, List, Optional
 
+import torch
+
 from pflcore import algorithms as A
 from pflcore import data as D
 from pflcore import models as M
@@ -79,6 +81,10 @@ def build_federation(spec: Dict[str, Any], seed: int):
     if name not in GENERATORS:
         raise ValueError(f"data.generator: expected one of {sorted(GENERATORS)}, got {name!r}")
     spec.setdefault("seed", seed)
+    if isinstance(spec.get("dtype"), str):  # "float32" | "float64" in TOML
+        if spec["dtype"] not in ("float32", "float64"):
+            raise ValueError(f"data.dtype: expected 'float32' or 'float64', got {spec['dtype']!r}")
+        spec["dtype"] = getattr(torch, spec["dtype"])
     return GENERATORS[name](**spec)
 
 
@@ -109,7 +115,10 @@ def build_algorithm(label: str, spec: Dict[str, Any], fed, model):
     if kind == "fedprox" and spec.get("local_lr") == "auto":
         L = A.FedProx.smoothness(fed)
         spec["global_lr"], spec["local_lr"] = A.FedProx.step_sizes(L, spec["lam"])
-    return A.REGISTRY[kind](**spec)
+    memory = spec.pop("anderson", None)  # `anderson = τ`: wrap in Anderson acceleration
+    reg = float(spec.pop("anderson_reg", 1e-10))
+    alg = A.REGISTRY[kind](**spec)
+    return alg if memory is None else A.Accelerated(alg, memory=int(memory), reg=reg)
 
 
 def _summary(values: List[Optional[float]]):
@@ -165,7 +174,7 @@ def run_experiment(cfg: Dict[str, Any], *, only: Optional[List[str]] = None, pro
         if sweep:
             _plot_sweep(rows, sweep, metrics, os.path.join(out, "sweep.png"))
         else:
-            plot_results(curves, os.path.join(out, "curves.png"))
+            plot_results(curves, os.path.join(out, "curves.png"), tuple(cfg.get("plot", ("personalized_acc", "global_acc"))))
     except ImportError as exc:
         log(f"(no plot: {exc})")
     return summary
@@ -179,7 +188,7 @@ def _row_text(row, metrics, key) -> str:
     parts = [f"{row['algorithm']:<14}"] + ([f"{key}={row['sweep']:<6}"] if key else [])
     for k in metrics:
         if row[k] is not None:
-            parts.append(f"{k} {row[k]:.4f} ± {row[k + '_std']:.4f}")
+            parts.append(f"{k} {row[k]:.4g} ± {row[k + '_std']:.2g}")
     return "  ".join(parts)
 
 
@@ -188,7 +197,7 @@ def format_table(rows, metrics) -> str:
     head = f"{'algorithm':<14} {'sweep':>8} " + " ".join(f"{k:>24}" for k in shown)
     lines = [head]
     for r in rows:
-        cells = [f"{r[k]:.4f} ± {r[k + '_std']:.4f}" if r[k] is not None else "-" for k in shown]
+        cells = [f"{r[k]:.4g} ± {r[k + '_std']:.2g}" if r[k] is not None else "-" for k in shown]
         lines.append(f"{r['algorithm']:<14} {str(r['sweep'] if r['sweep'] is not None else ''):>8} "
                      + " ".join(f"{c:>24}" for c in cells))
     return "\n".join(lines)

@@ -10,7 +10,8 @@ import torch
 
 # Columns of Result.table(), in order, with their formats.
 _TABLE = [("round", "{:d}"), ("personalized_acc", "{:.4f}"), ("global_acc", "{:.4f}"), ("train_loss", "{:.4g}"),
-          ("stat_error_local", "{:.4g}"), ("stat_error_global", "{:.4g}"), ("residual", "{:.3g}"),
+          ("stat_error_local", "{:.4g}"), ("stat_error_global", "{:.4g}"), ("optimality_gap", "{:.3g}"),
+          ("residual", "{:.3g}"),
           ("seconds", "{:.3f}"), ("client_steps_per_s", "{:.3g}")]
 
 
@@ -81,6 +82,8 @@ def plot_results(results: Dict[str, "Result"], path: str, keys=("personalized_ac
                 ax.plot(*zip(*pts), label=label)
         ax.set_xlabel("round")
         ax.set_ylabel(key.replace("_", " "))
+        if key in ("optimality_gap", "residual") or key.startswith("stat_error"):
+            ax.set_yscale("log")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()

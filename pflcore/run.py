@@ -20,6 +20,21 @@ class DivergenceError(RuntimeError):
     """Parameters became NaN or infinite."""
 
 
+def least_squares_optimum(fed: Federation, model: GLM):
+    """min_w Σ p_i f_i(w) for least squares (the normal equations, float64), else None."""
+    if model.family != "least_squares":
+        return None
+    X, y = fed.train.x.double(), fed.train.y.double()
+    if model.fit_intercept:
+        X = torch.cat([X, torch.ones(X.shape[0], 1, dtype=X.dtype, device=X.device)], 1)
+    # row weights p_i / n_i turn the row sums into Σ p_i · mean over client i
+    r = (fed.weights.double() / fed.train.sizes.double()).repeat_interleave(fed.train.sizes)
+    H = X.T @ (X * r[:, None]) + model.l2 * torch.eye(X.shape[1], dtype=X.dtype, device=X.device)
+    w = torch.linalg.solve(H, X.T @ (r * y))
+    res = X @ w - y
+    return float(0.5 * (r * res ** 2).sum() + 0.5 * model.l2 * (w ** 2).sum())
+
+
 def _weighted_stats(correct: torch.Tensor, count: torch.Tensor) -> dict:
     acc_i = correct.double() / count.double()
     return {"acc": float(correct.sum()) / float(count.sum()), "acc_std": float(acc_i.std(unbiased=False)),
@@ -55,6 +70,11 @@ def evaluate_round(algorithm: Algorithm, state, ctx: Context, t: int) -> dict:
                 row["stat_error_local"] = float(((W - fed.truth.to(W)) ** 2).sum(1).mean())
         if fed.truth_global is not None and fed.truth_global.shape == w.shape:
             row["stat_error_global"] = float(((w - fed.truth_global.to(w)) ** 2).sum())
+    if w is not None and ctx.f_star is not None:
+        W = w.expand(m, model.d).contiguous()
+        tl, _, tc = ops.evaluate(model, W, ctx.train)
+        F = float((fed.weights.double() * (tl.double() / tc.double())).sum()) + 0.5 * model.l2 * float((w.double() ** 2).sum())
+        row["optimality_gap"] = F - ctx.f_star
     if not model.is_classifier:  # accuracies are meaningless for regression
         for k in [k for k in row if "acc" in k]:
             del row[k]
@@ -123,6 +143,7 @@ def run(algorithm: Algorithm, federation: Federation, model: GLM, *, rounds: int
     device = torch.device(device)
     fed = federation if federation.train.device == device else federation.to(device)
     ctx = Context(fed, model, device, seed, clients_per_round)
+    ctx.f_star = least_squares_optimum(fed, model)
     config = {"algorithm": repr(algorithm), "federation": fed.name, "model": repr(model), "rounds": rounds,
               "clients_per_round": clients_per_round, "seed": seed, "eval_every": eval_every, "device": str(device),
               "checkpoint_every": checkpoint_every}

@@ -187,3 +187,16 @@ def test_grand_scheme_rejects_bad_settings():
         _run(A.FedPi(prox="exact"), fed, models.Softmax(3, 2), 1)
     with pytest.raises(ValueError, match=r"does not expose a fixed-point state"):
         A.Accelerated(A.LocalTrain(lr=0.1))
+
+
+def test_optimality_gap_is_recorded_and_vanishes_at_the_pooled_solution():
+    fed, model = _fed(uniform=False)
+    res = pflcore.run(A.FedPi(eta=1.0, prox="exact"), fed, model, rounds=200, eval_every=50, progress=False)
+    gaps = [r["optimality_gap"] for r in res.history]
+    assert gaps[0] > 0.1 and abs(gaps[-1]) < 1e-10
+    # F(0) − f* by hand: F(0) = Σ p_i mean(½ y²)
+    F0 = sum(float(p) * float((0.5 * fed.train.client(i)[1] ** 2).mean()) for i, p in enumerate(fed.weights))
+    w = pooled(fed)
+    F_star = sum(float(p) * float((0.5 * (fed.train.client(i)[0] @ w - fed.train.client(i)[1]) ** 2).mean())
+                 for i, p in enumerate(fed.weights))
+    assert gaps[0] == pytest.approx(F0 - F_star, rel=1e-9)

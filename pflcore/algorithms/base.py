@@ -28,6 +28,7 @@ class Context:
     seed: int = 0
     clients_per_round: Optional[int] = None
     client_steps: int = 0  # client-steps done so far (for the throughput metric)
+    f_star: Optional[float] = None  # min of Σ p_i f_i when known (least squares), for the optimality gap
     train: object = field(init=False)
     test: object = field(init=False)
     weights: torch.Tensor = field(init=False)
