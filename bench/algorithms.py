@@ -45,6 +45,10 @@ Run from the repository root:
 
 It prints a table (name, time, value, target, pass/fail) and writes all numbers, the machine
 and a timestamp to ``--out`` (default bench/results/algorithms.json).
+
+Also: the server-side cost of Anderson acceleration, as the share of an ``Accelerated(FedPi,
+memory=5)`` round on the same clients (all participating, state [m, d]) spent in
+``Anderson.step`` (target <= 5%).
 """
 from __future__ import annotations
 
@@ -224,6 +228,42 @@ def bench(args, m):
         other_share=1 - (best["local_steps"] + best["batches"]) / best["round"])
 
 
+def bench_anderson_share(args, m):
+    """Server-side cost of Anderson acceleration (issue: operator splitting): the share of an
+    accelerated FedPi round (Softmax 60×10, m clients, all participating, 10 prox steps) spent in
+    ``Anderson.step`` on the [m, d] state. Target ≤ 5%."""
+    from pflcore.algorithms import Accelerated, FedPi
+    from pflcore.ops.anderson import Anderson
+
+    fed = pflcore.data.synthetic(0.5, 0.5, num_clients=m, dim=60, num_classes=10, seed=0, max_size=args.max_size)
+    ctx = Context(fed, Softmax(60, 10), torch.device("cpu"), seed=0)
+    alg = Accelerated(FedPi(eta=0.5, prox_steps=10), memory=5)
+    state = alg.init(ctx)
+    for t in range(1, 8):  # fill the history (memory + 1 pairs)
+        state = alg.round(state, ctx, t)
+    spent = []
+    real_step = Anderson.step
+
+    def timed_step(self, u, tu):
+        t0 = time.perf_counter()
+        out = real_step(self, u, tu)
+        spent.append(time.perf_counter() - t0)
+        return out
+
+    rounds = []
+    Anderson.step = timed_step
+    try:
+        for t in range(8, 8 + max(3, args.repeats)):
+            t0 = time.perf_counter()
+            state = alg.round(state, ctx, t)
+            rounds.append(time.perf_counter() - t0)
+    finally:
+        Anderson.step = real_step
+    share = min(a / r for a, r in zip(spent, rounds))
+    return dict(m=m, d=ctx.d, state_shape=[m, ctx.d], memory=5, round_s=min(rounds), anderson_step_s=min(spent),
+                anderson_share=share)
+
+
 def rows_of(r):
     sc = f", scaled from {r['torch_loop_clients']}" if r["torch_loop_scaled"] else ""
     return [
@@ -268,7 +308,11 @@ def main():
               f"compete for the {os.cpu_count()} cores and the timings will be noisy")
     t0 = time.perf_counter()
     results = {"pfedme_round": bench(args, m)}
-    rows = rows_of(results["pfedme_round"])
+    results["anderson_share"] = bench_anderson_share(args, m)
+    a = results["anderson_share"]
+    rows = rows_of(results["pfedme_round"]) + [
+        (f"FedPi+Anderson round, m={a['m']}, state {a['m']}x{a['d']}", a["round_s"], None, None, None),
+        ("Anderson.step share of the round", a["anderson_step_s"], a["anderson_share"], 0.05, "le")]
     print_table(rows)
     results["table"] = [dict(name=n, time_s=t, value=v, target=tg, sense=s, passed=passed(v, tg, s))
                         for n, t, v, tg, s in rows]

@@ -21,7 +21,7 @@ class DivergenceError(RuntimeError):
 
 
 def least_squares_optimum(fed: Federation, model: GLM):
-    """min_w Σ p_i f_i(w) for least squares (the normal equations, float64), else None."""
+    """(min_w Σ p_i f_i(w), argmin) for least squares (the normal equations, float64), else None."""
     if model.family != "least_squares":
         return None
     X, y = fed.train.x.double(), fed.train.y.double()
@@ -32,7 +32,13 @@ def least_squares_optimum(fed: Federation, model: GLM):
     H = X.T @ (X * r[:, None]) + model.l2 * torch.eye(X.shape[1], dtype=X.dtype, device=X.device)
     w = torch.linalg.solve(H, X.T @ (r * y))
     res = X @ w - y
-    return float(0.5 * (r * res ** 2).sum() + 0.5 * model.l2 * (w ** 2).sum())
+    return float(0.5 * (r * res ** 2).sum() + 0.5 * model.l2 * (w ** 2).sum()), w.to(fed.train.dtype)
+
+
+def heterogeneity(fed: Federation, model: GLM, w_star: torch.Tensor) -> float:
+    """(1/m) Σ_i ‖∇f_i(w*)‖² at the minimizer w* of the global objective."""
+    W = w_star.expand(fed.num_clients, model.d).contiguous()
+    return float((ops.gradients(model, W, fed.train).double() ** 2).sum(1).mean())
 
 
 def _weighted_stats(correct: torch.Tensor, count: torch.Tensor) -> dict:
@@ -143,10 +149,14 @@ def run(algorithm: Algorithm, federation: Federation, model: GLM, *, rounds: int
     device = torch.device(device)
     fed = federation if federation.train.device == device else federation.to(device)
     ctx = Context(fed, model, device, seed, clients_per_round)
-    ctx.f_star = least_squares_optimum(fed, model)
+    optimum = least_squares_optimum(fed, model)
     config = {"algorithm": repr(algorithm), "federation": fed.name, "model": repr(model), "rounds": rounds,
               "clients_per_round": clients_per_round, "seed": seed, "eval_every": eval_every, "device": str(device),
               "checkpoint_every": checkpoint_every}
+    if optimum is not None:
+        ctx.f_star = optimum[0]
+        config["f_star"] = optimum[0]
+        config["heterogeneity"] = heterogeneity(fed, model, optimum[1])
     if _resume is None:
         state, history, start = algorithm.init(ctx), [], 0
         history.append({**evaluate_round(algorithm, state, ctx, 0), "seconds": 0.0, "client_steps_per_s": None})

@@ -200,3 +200,16 @@ def test_optimality_gap_is_recorded_and_vanishes_at_the_pooled_solution():
     F_star = sum(float(p) * float((0.5 * (fed.train.client(i)[0] @ w - fed.train.client(i)[1]) ** 2).mean())
                  for i, p in enumerate(fed.weights))
     assert gaps[0] == pytest.approx(F0 - F_star, rel=1e-9)
+
+
+def test_heterogeneity_measure():
+    """(1/m) Σ ‖∇f_i(w*)‖² is 0 when every client has the same data, positive otherwise."""
+    fed, model = _fed(uniform=False)
+    res = pflcore.run(A.FedAvg(lr=0.5), fed, model, rounds=1, progress=False)
+    H, g = _H_g(fed)
+    w = pooled(fed)
+    want = sum(float((h @ w - v).norm() ** 2) for h, v in zip(H, g)) / M
+    assert res.config["heterogeneity"] == pytest.approx(want, rel=1e-9) and want > 0
+    same = pflcore.ClientData.from_clients([fed.train.client(0)[0]] * 3, [fed.train.client(0)[1]] * 3)
+    fed_same = pflcore.Federation(same, same, 0)
+    assert pflcore.run(A.FedAvg(lr=0.5), fed_same, model, rounds=1, progress=False).config["heterogeneity"] < 1e-20
