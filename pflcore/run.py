@@ -20,19 +20,37 @@ class DivergenceError(RuntimeError):
     """Parameters became NaN or infinite."""
 
 
-def least_squares_optimum(fed: Federation, model: GLM):
-    """(min_w Σ p_i f_i(w), argmin) for least squares (the normal equations, float64), else None."""
-    if model.family != "least_squares":
+def global_optimum(fed: Federation, model: GLM):
+    """(min_w F(w), argmin) of F = Σ p_i f_i when it can be found exactly, else None: least squares
+    by the normal equations, logistic regression by Newton's method (float64)."""
+    if model.family not in ("least_squares", "logistic"):
         return None
     X, y = fed.train.x.double(), fed.train.y.double()
     if model.fit_intercept:
         X = torch.cat([X, torch.ones(X.shape[0], 1, dtype=X.dtype, device=X.device)], 1)
     # row weights p_i / n_i turn the row sums into Σ p_i · mean over client i
     r = (fed.weights.double() / fed.train.sizes.double()).repeat_interleave(fed.train.sizes)
-    H = X.T @ (X * r[:, None]) + model.l2 * torch.eye(X.shape[1], dtype=X.dtype, device=X.device)
-    w = torch.linalg.solve(H, X.T @ (r * y))
-    res = X @ w - y
-    return float(0.5 * (r * res ** 2).sum() + 0.5 * model.l2 * (w ** 2).sum()), w.to(fed.train.dtype)
+    eye = torch.eye(X.shape[1], dtype=X.dtype, device=X.device)
+
+    def value(w):
+        z = X @ w
+        loss = 0.5 * (z - y) ** 2 if model.family == "least_squares" else torch.nn.functional.softplus(z) - y * z
+        return float((r * loss).sum() + 0.5 * model.l2 * (w ** 2).sum())
+
+    if model.family == "least_squares":
+        w = torch.linalg.solve(X.T @ (X * r[:, None]) + model.l2 * eye, X.T @ (r * y))
+        return value(w), w.to(fed.train.dtype)
+    w = torch.zeros(X.shape[1], dtype=X.dtype, device=X.device)
+    for _ in range(100):
+        s = torch.sigmoid(X @ w)
+        grad = X.T @ (r * (s - y)) + model.l2 * w
+        if float(grad.norm()) < 1e-13:
+            return value(w), w.to(fed.train.dtype)
+        hess = X.T @ (X * (r * s * (1 - s))[:, None]) + model.l2 * eye
+        w = w - torch.linalg.solve(hess, grad)
+        if not bool(torch.isfinite(w).all()) or float(w.norm()) > 1e8:
+            return None  # separable data without l2: no minimizer
+    return None
 
 
 def heterogeneity(fed: Federation, model: GLM, w_star: torch.Tensor) -> float:
@@ -149,7 +167,7 @@ def run(algorithm: Algorithm, federation: Federation, model: GLM, *, rounds: int
     device = torch.device(device)
     fed = federation if federation.train.device == device else federation.to(device)
     ctx = Context(fed, model, device, seed, clients_per_round)
-    optimum = least_squares_optimum(fed, model)
+    optimum = global_optimum(fed, model)
     config = {"algorithm": repr(algorithm), "federation": fed.name, "model": repr(model), "rounds": rounds,
               "clients_per_round": clients_per_round, "seed": seed, "eval_every": eval_every, "device": str(device),
               "checkpoint_every": checkpoint_every}

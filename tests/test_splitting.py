@@ -213,3 +213,16 @@ def test_heterogeneity_measure():
     same = pflcore.ClientData.from_clients([fed.train.client(0)[0]] * 3, [fed.train.client(0)[1]] * 3)
     fed_same = pflcore.Federation(same, same, 0)
     assert pflcore.run(A.FedAvg(lr=0.5), fed_same, model, rounds=1, progress=False).config["heterogeneity"] < 1e-20
+
+
+def test_logistic_optimum_by_newton_has_zero_gradient():
+    from pflcore.run import global_optimum
+
+    fed = data.logistic_truth(num_clients=4, samples_per_client=200, dim=5, R=1.0, seed=1, dtype=torch.float64)
+    model = models.Logistic(5, fit_intercept=False, l2=1e-3)
+    f_star, w = global_optimum(fed, model)
+    W = w.expand(4, 5).contiguous()
+    grad = (fed.weights[:, None] * pflcore.ops.gradients(model, W, fed.train)).sum(0)
+    assert float(grad.norm()) < 1e-10
+    res = pflcore.run(A.FedAvg(lr=1.0), fed, model, rounds=300, eval_every=300, progress=False)
+    assert -1e-12 <= res.history[-1]["optimality_gap"] < 1e-6 < res.history[0]["optimality_gap"]  # f* exact to rounding
