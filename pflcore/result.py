@@ -75,11 +75,13 @@ def plot_results(results: Dict[str, "Result"], path: str, keys=("personalized_ac
         raise ImportError("plotting needs matplotlib: pip install 'pflcore[plot]'") from exc
     keys = [k for k in keys if any(r.final(k) is not None for r in results.values())]
     fig, axes = plt.subplots(1, max(1, len(keys)), figsize=(5.5 * max(1, len(keys)), 4), squeeze=False)
+    colors = {label: f"C{i % 10}" for i, label in enumerate(results)}  # one color per run in every panel
     for ax, key in zip(axes[0], keys):
         for label, res in results.items():
             pts = [(r["round"], r[key]) for r in res.history if r.get(key) is not None]
             if pts:
-                ax.plot(*zip(*pts), label=label)
+                ax.plot(*zip(*pts), label=label, color=colors[label],
+                        linestyle="--" if "+Anderson" in res.algorithm or "+AA" in label else "-")
         ax.set_xlabel("round")
         ax.set_ylabel(key.replace("_", " "))
         if key in ("optimality_gap", "residual") or key.startswith("stat_error"):
