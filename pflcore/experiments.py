@@ -16,7 +16,7 @@ import torch
 from pflcore import algorithms as A
 from pflcore import data as D
 from pflcore import models as M
-from pflcore.result import plot_results
+from pflcore.result import finish_axes, plot_results, pyplot, save_figure
 from pflcore.run import run
 
 # The comparison `pflcore run` makes with no arguments: Synthetic(0.5, 0.5), 100 clients,
@@ -204,22 +204,12 @@ def format_table(rows, metrics) -> str:
 
 
 def _plot_sweep(rows, sweep, metrics, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     metric = sweep.get("metric") or next(k for k in metrics if any(r[k] is not None for r in rows))
     fig, ax = plt.subplots(figsize=(6, 4))
     for label in dict.fromkeys(r["algorithm"] for r in rows):
         pts = [(r["sweep"], r[metric]) for r in rows if r["algorithm"] == label and r[metric] is not None]
         if pts:
             ax.plot(*zip(*pts), marker="o", label=label)
-    ax.set_xlabel(sweep["key"])
-    ax.set_ylabel(metric.replace("_", " "))
-    if sweep.get("log_y"):
-        ax.set_yscale("log")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    finish_axes(ax, sweep["key"], metric, bool(sweep.get("log_y")))
+    save_figure(fig, path)

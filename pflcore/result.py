@@ -66,13 +66,35 @@ class Result:
         return plot_results({self.algorithm: self}, path, keys)
 
 
-def plot_results(results: Dict[str, "Result"], path: str, keys=("personalized_acc", "global_acc")) -> str:
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend, or an ImportError that says what to install."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ImportError("plotting needs matplotlib: pip install 'pflcore[plot]'") from exc
+    return plt
+
+
+def finish_axes(ax, xlabel: str, ylabel: str, log_y: bool) -> None:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel.replace("_", " "))
+    if log_y:
+        ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def save_figure(fig, path: str) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
+    return path
+
+
+def plot_results(results: Dict[str, "Result"], path: str, keys=("personalized_acc", "global_acc")) -> str:
+    plt = pyplot()
     keys = [k for k in keys if any(r.final(k) is not None for r in results.values())]
     fig, axes = plt.subplots(1, max(1, len(keys)), figsize=(5.5 * max(1, len(keys)), 4), squeeze=False)
     colors = {label: f"C{i % 10}" for i, label in enumerate(results)}  # one color per run in every panel
@@ -82,13 +104,5 @@ def plot_results(results: Dict[str, "Result"], path: str, keys=("personalized_ac
             if pts:
                 ax.plot(*zip(*pts), label=label, color=colors[label],
                         linestyle="--" if "+Anderson" in res.algorithm or "+AA" in label else "-")
-        ax.set_xlabel("round")
-        ax.set_ylabel(key.replace("_", " "))
-        if key in ("optimality_gap", "residual") or key.startswith("stat_error"):
-            ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+        finish_axes(ax, "round", key, key in ("optimality_gap", "residual") or key.startswith("stat_error"))
+    return save_figure(fig, path)

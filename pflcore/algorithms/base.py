@@ -101,6 +101,18 @@ class Algorithm:
         return f"{type(self).__name__}({args})"
 
 
+class ServerModelFixedPoint:
+    """For algorithms whose fixed-point state (what ``Accelerated`` mixes) is the server model
+    ``state.w``."""
+
+    def fixed_point(self, state) -> torch.Tensor:
+        return state.w
+
+    def set_fixed_point(self, state, w: torch.Tensor):
+        state.w = w
+        return state
+
+
 def positive(value, name: str, algorithm: str, *, allow_zero: bool = False) -> float:
     """A hyperparameter check that names the algorithm and the argument."""
     try:

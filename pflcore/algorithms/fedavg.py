@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from pflcore import ops
-from pflcore.algorithms.base import Algorithm, Context, count_int, positive
+from pflcore.algorithms.base import Algorithm, Context, ServerModelFixedPoint, count_int, positive
 
 
 @dataclass
@@ -45,7 +45,7 @@ class GlobalState:
     w: torch.Tensor  # [d] the global model
 
 
-class FedAvg(Algorithm):
+class FedAvg(ServerModelFixedPoint, Algorithm):
     """FedAvg: the sampled clients take ``local_steps`` steps of size ``lr`` from the global
     model; the server averages them with the client weights p_i (renormalized over the sample)."""
 
@@ -70,10 +70,3 @@ class FedAvg(Algorithm):
 
     def global_model(self, state: GlobalState) -> torch.Tensor:
         return state.w
-
-    def fixed_point(self, state: GlobalState) -> torch.Tensor:
-        return state.w
-
-    def set_fixed_point(self, state: GlobalState, w: torch.Tensor) -> GlobalState:
-        state.w = w
-        return state

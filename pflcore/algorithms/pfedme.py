@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from pflcore import ops
-from pflcore.algorithms.base import Algorithm, Context, count_int, positive
+from pflcore.algorithms.base import Algorithm, Context, ServerModelFixedPoint, count_int, positive
 
 
 @dataclass
@@ -25,7 +25,7 @@ class PFedMeState:
     theta: torch.Tensor    # [m, d] personal models θ_i
 
 
-class PFedMe(Algorithm):
+class PFedMe(ServerModelFixedPoint, Algorithm):
     name = "pFedMe"
 
     def __init__(self, lam: float, lr: float, personal_lr: float, inner_steps: int = 5, local_rounds: int = 20,
@@ -71,10 +71,3 @@ class PFedMe(Algorithm):
 
     def global_model(self, state: PFedMeState) -> torch.Tensor:
         return state.w
-
-    def fixed_point(self, state: PFedMeState) -> torch.Tensor:
-        return state.w
-
-    def set_fixed_point(self, state: PFedMeState, w: torch.Tensor) -> PFedMeState:
-        state.w = w
-        return state

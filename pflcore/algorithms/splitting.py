@@ -64,9 +64,6 @@ class GrandScheme(Algorithm):
         self.ergodic = bool(ergodic)
         self._factor = None  # (η, Cholesky factors [m, P, P], rhs [m, P]) for the exact prox
 
-    def hyperparameters(self) -> dict:
-        return {k: v for k, v in vars(self).items() if not k.startswith("_")}
-
     def eta_at(self, t: int) -> float:
         if self.schedule == "inverse":
             return self.eta / t

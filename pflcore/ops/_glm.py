@@ -12,7 +12,7 @@ from pflcore.ops._checks import (as_tensor, check_device, check_finite, check_fl
                                  cpu_numpy, index_tensor)
 
 
-def validate(model, theta, data, rows, op: str) -> Tuple[torch.Tensor, bool, torch.Tensor]:
+def validate(model, theta, data, rows) -> Tuple[torch.Tensor, bool, torch.Tensor]:
     """Checks the common arguments; returns (theta tensor, theta came from numpy, rows [R])."""
     if not isinstance(model, GLM):
         raise ValueError(f"model: expected a GLM from pflcore.models (LeastSquares, Logistic, "

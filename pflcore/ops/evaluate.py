@@ -12,7 +12,7 @@ from pflcore.ops._checks import as_tensor, cpu_numpy, out_like
 
 def evaluate(model, theta, data, *, rows=None):
     """``(loss_sum [R], correct int64 [R], count int64 [R])`` of every model row."""
-    theta_t, is_np, rows_t = _glm.validate(model, theta, data, rows, "evaluate")
+    theta_t, is_np, rows_t = _glm.validate(model, theta, data, rows)
     theta_t = theta_t.contiguous()
     name, module = backend.select("evaluate", theta_t.device)
     if name == "reference":

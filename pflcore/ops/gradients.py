@@ -25,7 +25,7 @@ def _validate_batches(batches, data, rows_t, R):
 
 def gradients(model, theta, data, *, rows=None, batches=None):
     """``[R, d]`` gradients of each row's client objective at ``theta`` [R, d]."""
-    theta_t, is_np, rows_t = _glm.validate(model, theta, data, rows, "gradients")
+    theta_t, is_np, rows_t = _glm.validate(model, theta, data, rows)
     theta_t = theta_t.contiguous()
     batches_t = _validate_batches(batches, data, rows_t, theta_t.shape[0])
     name, module = backend.select("gradients", theta_t.device)

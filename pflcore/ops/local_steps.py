@@ -18,7 +18,7 @@ from pflcore.ops._checks import (as_tensor, check_contiguous, check_device, chec
 
 
 def _validate(model, theta, data, steps, lr, prox, anchor, batches, rows, grad_scale):
-    theta_t, is_np, rows_t = _glm.validate(model, theta, data, rows, "local_steps")
+    theta_t, is_np, rows_t = _glm.validate(model, theta, data, rows)
     check_contiguous(theta_t, "theta")
     steps = check_positive_int(steps, "steps", minimum=0)
     lr = check_real(lr, "lr", minimum=0.0, strict=True)
