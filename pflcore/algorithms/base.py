@@ -50,6 +50,15 @@ class Context:
     def dtype(self) -> torch.dtype:
         return self.train.dtype
 
+    def initial_models(self, m: int) -> torch.Tensor:
+        """``[m, d]`` starting parameters: m copies of the model's initial point (zeros for a
+        GLM; a seeded random initialization for a torch net), so every client starts alike."""
+        return self.model.initial(m, dtype=self.dtype, device=self.device, seed=self.seed)
+
+    def initial_global(self) -> torch.Tensor:
+        """``[d]`` starting global model (the model's initial point)."""
+        return self.initial_models(1)[0].clone()
+
     def sample_clients(self, t: int) -> torch.Tensor:
         """``int64 [S]`` sorted ids of the clients of round t, drawn from a generator keyed by
         (seed, t) alone, so a resumed or sharded run draws the same clients."""

@@ -27,7 +27,7 @@ class LocalTrain(Algorithm):
         self.batch_size = None if batch_size is None else count_int(batch_size, "batch_size", self.name)
 
     def init(self, ctx: Context) -> LocalState:
-        return LocalState(ctx.model.zeros(ctx.m, ctx.dtype, ctx.device))
+        return LocalState(ctx.initial_models(ctx.m))
 
     def round(self, state: LocalState, ctx: Context, t: int) -> LocalState:
         clients = torch.arange(ctx.m, device=ctx.device)
@@ -57,7 +57,7 @@ class FedAvg(ServerModelFixedPoint, Algorithm):
         self.batch_size = None if batch_size is None else count_int(batch_size, "batch_size", self.name)
 
     def init(self, ctx: Context) -> GlobalState:
-        return GlobalState(torch.zeros(ctx.d, dtype=ctx.dtype, device=ctx.device))
+        return GlobalState(ctx.initial_global())
 
     def round(self, state: GlobalState, ctx: Context, t: int) -> GlobalState:
         S = ctx.sample_clients(t)

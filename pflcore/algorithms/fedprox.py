@@ -59,8 +59,8 @@ class FedProx(Algorithm):
         return L
 
     def init(self, ctx: Context) -> FedProxState:
-        return FedProxState(ctx.model.zeros(ctx.m, ctx.dtype, ctx.device),
-                            torch.zeros(ctx.d, dtype=ctx.dtype, device=ctx.device))
+        return FedProxState(ctx.initial_models(ctx.m),
+                            ctx.initial_global())
 
     def round(self, state: FedProxState, ctx: Context, t: int) -> FedProxState:
         S = ctx.sample_clients(t)

@@ -64,7 +64,7 @@ class PerFedAvg(Algorithm):
         self.batch_size = count_int(batch_size, "batch_size", self.name)
 
     def init(self, ctx: Context) -> PerFedAvgState:
-        w = torch.zeros(ctx.d, dtype=ctx.dtype, device=ctx.device)
+        w = ctx.initial_global()
         return PerFedAvgState(w, self._personalize(w, ctx))
 
     def _personalize(self, w: torch.Tensor, ctx: Context) -> torch.Tensor:

@@ -43,8 +43,8 @@ class PFedMe(ServerModelFixedPoint, Algorithm):
         self.personal_eval = personal_eval
 
     def init(self, ctx: Context) -> PFedMeState:
-        zeros = ctx.model.zeros(ctx.m, ctx.dtype, ctx.device)
-        return PFedMeState(torch.zeros(ctx.d, dtype=ctx.dtype, device=ctx.device), zeros, zeros.clone())
+        zeros = ctx.initial_models(ctx.m)
+        return PFedMeState(ctx.initial_global(), zeros, zeros.clone())
 
     def round(self, state: PFedMeState, ctx: Context, t: int) -> PFedMeState:
         S = ctx.sample_clients(t)

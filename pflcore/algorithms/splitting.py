@@ -72,8 +72,8 @@ class GrandScheme(Algorithm):
         return self.eta
 
     def init(self, ctx: Context) -> SplittingState:
-        zeros = ctx.model.zeros(ctx.m, ctx.dtype, ctx.device)
-        w = torch.zeros(ctx.d, dtype=ctx.dtype, device=ctx.device)
+        zeros = ctx.initial_models(ctx.m)
+        w = ctx.initial_global()
         return SplittingState(zeros, zeros.clone(), w, w.clone())
 
     # ---- the local operator: P^η_f or G^η_{f,k} ----------------------------------------------

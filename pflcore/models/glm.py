@@ -53,6 +53,11 @@ class GLM:
         """``[m, d]`` parameters of m models, all zero."""
         return torch.zeros(m, self.d, dtype=dtype, device=device)
 
+    def initial(self, m: int, dtype: torch.dtype = torch.float32, device="cpu", seed: int = 0) -> torch.Tensor:
+        """``[m, d]`` starting parameters of m models: zeros (the objectives are convex, so the
+        start is not a symmetry to break). ``seed`` is accepted for the torch nets' sake."""
+        return self.zeros(m, dtype, device)
+
     def __repr__(self) -> str:
         extra = f", C={self.C}" if self.family == "softmax" else ""
         return (f"{type(self).__name__}(p={self.p}{extra}, l2={self.l2}, "
