@@ -39,7 +39,7 @@ DEFAULT: Dict[str, Any] = {
 }
 
 GENERATORS = {"synthetic": D.synthetic, "logistic_truth": D.logistic_truth, "least_squares": D.least_squares,
-              "two_groups": D.two_groups}
+              "two_groups": D.two_groups, "contexts": D.contexts}
 
 
 def load(path: Optional[str]) -> Dict[str, Any]:

@@ -1,10 +1,10 @@
 """Client data (DESIGN.md §2) and, in the modules beside, generators and partitioners (§6)."""
 from pflcore.data.client_data import ClientData
 from pflcore.data.federation import Federation
-from pflcore.data.generators import least_squares, logistic_truth, synthetic, two_groups
+from pflcore.data.generators import contexts, least_squares, logistic_truth, synthetic, two_groups
 from pflcore.data.partition import partition, partition_to_client_data
 
 __all__ = [
-    "ClientData", "Federation", "least_squares", "logistic_truth", "partition", "partition_to_client_data",
+    "ClientData", "Federation", "contexts", "least_squares", "logistic_truth", "partition", "partition_to_client_data",
     "synthetic", "two_groups",
 ]

@@ -262,3 +262,59 @@ def two_groups(num_clients: int = 50, samples_per_client: int = 100, dim: int = 
                 groups=groups.tolist())
     return _federation(x, y, np.full(m, n), test_fraction, dtype=dtype, num_classes=2, truth=truth,
                        truth_global=None, name=f"two_groups(mu={mu:g})", meta=meta)
+
+
+def contexts(num_clients: int = 40, num_contexts: int = 4, dim: int = 60, num_classes: int = 10,
+             client_noise: float = 0.0, beta: float = 0.5, sizes=(100, 500), seed: int = 0,
+             test_fraction: float = 0.25, dtype: torch.dtype = torch.float32) -> Federation:
+    """Clients drawn from a few latent contexts (the setting CGPFL is built for).
+
+    A context is a data distribution: its own model and its own feature mean. For context c
+    and client k in context c(k) (contexts dealt evenly, then shuffled)::
+
+        W_c ~ N(0, 1)^{dim×C},  b_c ~ N(0, 1)^C,  B_c ~ N(0, β²),  v_c ~ N(B_c, 1)^dim
+        W_k = W_c(k) + client_noise·N(0, 1)  (and b_k, v_k alike)
+        n_k ~ uniform integers in [sizes[0], sizes[1]]
+        x ~ N(v_k, Σ),  Σ = diag(j^{-1.2}),  y = argmax(x W_k + b_k)
+
+    With ``client_noise = 0`` the clients of a context draw from one distribution exactly
+    (they differ only by their samples and sizes).
+    ``truth [m, (dim+1)·C]``: [W_k; b_k] in the layout of ``Softmax(dim, C, fit_intercept=True)``;
+    ``truth_global`` = None; ``meta["contexts"]``: the context of every client.
+    """
+    m = check_positive_int(num_clients, "num_clients")
+    K = check_positive_int(num_contexts, "num_contexts")
+    if K > m:
+        raise ValueError(f"num_contexts: expected at most num_clients = {m} contexts, got {K}")
+    dim = check_positive_int(dim, "dim")
+    C = check_positive_int(num_classes, "num_classes", minimum=2)
+    client_noise = check_real(client_noise, "client_noise", minimum=0.0)
+    beta = check_real(beta, "beta", minimum=0.0)
+    if (not isinstance(sizes, (tuple, list)) or len(sizes) != 2
+            or not all(isinstance(s, (int, np.integer)) and not isinstance(s, bool) for s in sizes)
+            or not 2 <= sizes[0] <= sizes[1]):
+        raise ValueError(f"sizes: expected (low, high) integers with 2 <= low <= high, got {sizes!r}")
+    seed = check_positive_int(seed, "seed", minimum=0)
+    test_fraction = _check_fraction(test_fraction)
+    npd = _check_dtype(dtype)
+
+    rng = np.random.default_rng(seed)
+    context = rng.permutation(np.arange(m) % K)
+    W_c = rng.normal(0.0, 1.0, (K, dim + 1, C))  # [W_c; b_c]
+    v_c = rng.normal(rng.normal(0.0, beta, K)[:, None], 1.0, (K, dim))
+    Wb = W_c[context] + client_noise * rng.normal(0.0, 1.0, (m, dim + 1, C))
+    v = v_c[context] + client_noise * rng.normal(0.0, 1.0, (m, dim))
+    truth = _rounded(Wb.reshape(m, (dim + 1) * C), npd)
+    n = rng.integers(int(sizes[0]), int(sizes[1]) + 1, m)
+    x = _rounded(np.repeat(v, n, axis=0) + rng.standard_normal((n.sum(), dim)) * np.sqrt(_diag_cov(dim)), npd)
+    y = np.empty(n.sum(), dtype=np.int64)
+    for k, (lo, hi) in enumerate(zip(np.cumsum(n) - n, np.cumsum(n))):
+        Wk = truth[k].reshape(dim + 1, C)
+        y[lo:hi] = np.argmax(x[lo:hi] @ Wk[:dim] + Wk[dim], axis=1)
+
+    meta = dict(generator="contexts", num_clients=m, num_contexts=K, dim=dim, num_classes=C,
+                client_noise=client_noise, beta=beta, sizes=[int(sizes[0]), int(sizes[1])], seed=seed,
+                test_fraction=test_fraction, model=f"Softmax(p={dim}, C={C}, fit_intercept=True)",
+                contexts=context.tolist())
+    return _federation(x, y, n, test_fraction, dtype=dtype, num_classes=C, truth=truth, truth_global=None,
+                       name=f"contexts(K={K}, client_noise={client_noise:g})", meta=meta)
