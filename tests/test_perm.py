@@ -1,0 +1,168 @@
+"""PERM (DESIGN.md §5): the exact water-filling solve, model shuffling, and the two-groups
+setting of the paper."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import pflcore
+from pflcore import algorithms as A
+from pflcore import data, models
+from pflcore.algorithms.perm import PERM, mixing_weights, pairwise_sqdist, water_filling
+
+
+def _project_simplex(v: torch.Tensor) -> torch.Tensor:
+    """Euclidean projection of each row onto the simplex (sort-based; Held et al.)."""
+    u, _ = torch.sort(v, dim=1, descending=True)
+    css = torch.cumsum(u, dim=1) - 1
+    k = torch.arange(1, v.shape[1] + 1, dtype=v.dtype)
+    rho = (u - css / k > 0).sum(dim=1, keepdim=True)
+    return (v - css.gather(1, rho - 1) / rho).clamp_min(0)
+
+
+def _pgd(costs, counts, lam, iters=20000):
+    """Projected gradient descent on Σ c_j α_j + λ Σ α_j²/n_j with step 1/L, L = 2λ/min n."""
+    q = lam / counts.to(torch.float64)
+    step = 1.0 / (2 * float(q.max()))
+    a = torch.full_like(costs, 1.0 / costs.shape[1])
+    for _ in range(iters):
+        a = _project_simplex(a - step * (costs + 2 * q * a))
+    return a
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_water_filling_equals_projected_gradient_descent(seed):
+    g = torch.Generator().manual_seed(seed)
+    m, k = 7, 13
+    costs = torch.rand(m, k, generator=g, dtype=torch.float64) * 3
+    costs[0, 5] = costs[0, 6]  # a tie
+    counts = torch.randint(5, 40, (k,), generator=g)
+    lam = [0.05, 1.0, 20.0, 300.0][seed]
+    alpha = water_filling(costs, counts, lam)
+    assert alpha.dtype == torch.float64 and alpha.shape == (m, k)
+    assert bool((alpha >= 0).all())
+    torch.testing.assert_close(alpha.sum(1), torch.ones(m, dtype=torch.float64), rtol=0, atol=1e-12)
+    torch.testing.assert_close(alpha, _pgd(costs, counts, lam), rtol=0, atol=1e-8)
+
+
+def test_water_filling_limits_and_errors():
+    costs = torch.tensor([[0.0, 1.0, 4.0]], dtype=torch.float64)
+    counts = torch.tensor([10, 10, 10])
+    assert water_filling(costs, counts, 1e-6)[0].tolist() == pytest.approx([1.0, 0.0, 0.0])  # λ → 0: nearest
+    assert water_filling(costs, counts, 1e9)[0].tolist() == pytest.approx([1 / 3] * 3, abs=1e-6)  # λ → ∞: ∝ n
+    with pytest.raises(ValueError, match="lam_alpha"):
+        water_filling(costs, counts, 0.0)
+    with pytest.raises(ValueError, match="counts"):
+        water_filling(costs, counts[:2], 1.0)
+    with pytest.raises(ValueError, match="costs"):
+        water_filling(costs[0], counts, 1.0)
+
+
+def test_pairwise_sqdist_matches_cdist():
+    G = torch.randn(9, 30, dtype=torch.float64) + 100.0  # large common offset: centring keeps precision
+    D = pairwise_sqdist(G)
+    torch.testing.assert_close(D, torch.cdist(G - 100.0, G - 100.0) ** 2, rtol=1e-10, atol=1e-9)
+    assert bool((torch.diagonal(D) == 0).all()) and bool((D >= 0).all())
+
+
+def test_shuffling_visits_every_client_once_per_epoch():
+    m = 11
+    sigma = torch.randperm(m, generator=torch.Generator().manual_seed(3))
+    visits = torch.stack([PERM.visits(sigma, r) for r in range(m)], dim=1)  # [model, round]
+    full = torch.arange(m)
+    for i in range(m):
+        assert torch.equal(visits[i].sort().values, full)  # model i meets every client once
+    for r in range(m):
+        assert torch.equal(visits[:, r].sort().values, full)  # each round is a permutation
+
+
+def test_shuffling_round_is_one_batched_local_steps_call():
+    """A shuffling round equals, for every model i with α_{i,j} > 0, `local_steps_ref` on client
+    j = σ((i + r) mod m) with grad_scale m·α_{i,j}; models with α_{i,j} = 0 only shrink by l2."""
+    fed = data.two_groups(num_clients=8, samples_per_client=20, dim=5, seed=1, dtype=torch.float64)
+    model = models.Logistic(5, l2=0.01, fit_intercept=False)
+    alg = PERM(warmup_rounds=2, lam_alpha=3.0, lr=0.1, local_steps=3)
+    ctx = A.Context(fed, model, torch.device("cpu"), seed=2)
+    state = alg.init(ctx)
+    for t in (1, 2, 3):
+        state = alg.round(state, ctx, t)
+    assert state.shuffle_rounds == 1 and bool((state.alpha == 0).any())
+    before = state.theta.clone()
+    state = alg.round(state, ctx, 4)
+    j = PERM.visits(state.sigma, 1)
+    for i in range(8):
+        a = float(state.alpha[i, j[i]])
+        expect = before[i:i + 1].clone()
+        if a > 0:
+            pflcore.ops.local_steps_ref(model, expect, fed.train, steps=3, lr=0.1, rows=j[i:i + 1],
+                                        grad_scale=torch.tensor([8 * a], dtype=torch.float64))
+        else:
+            expect *= (1 - 0.1 * 0.01) ** 3
+        torch.testing.assert_close(state.theta[i:i + 1], expect, rtol=1e-12, atol=1e-12)
+
+
+def test_two_groups_mixing_weights_and_accuracy():
+    fed = data.two_groups(num_clients=50, seed=0)
+    model = models.Logistic(60, fit_intercept=False)
+    groups = torch.tensor(fed.meta["groups"])
+    perm = pflcore.run(PERM(warmup_rounds=20, lam_alpha=100.0, lr=0.05, local_steps=5), fed, model, rounds=100,
+                       eval_every=100, progress=False)
+    same = (groups[:, None] == groups[None, :]).to(torch.float64)
+    own = (perm.state.alpha * same).sum(1)
+    assert float(own.min()) >= 0.9
+    assert int((perm.state.alpha > 0).sum(1).min()) > 1  # a real mixture, not local training
+    fedavg = pflcore.run(A.FedAvg(lr=0.05, local_steps=5), fed, model, rounds=100, eval_every=100, progress=False)
+    pfedme = pflcore.run(A.PFedMe(lam=15.0, lr=0.01, personal_lr=0.05, inner_steps=5, local_rounds=5, batch_size=20),
+                         fed, model, rounds=100, eval_every=100, progress=False)
+    acc = perm.history[-1]["personalized_acc"]
+    assert acc > fedavg.history[-1]["global_acc"] + 0.2
+    assert acc > pfedme.history[-1]["personalized_acc"] + 0.1
+
+
+def test_single_loop_recomputes_alpha():
+    fed = data.two_groups(num_clients=10, samples_per_client=30, dim=6, seed=0)
+    model = models.Logistic(6, fit_intercept=False)
+    alg = PERM(warmup_rounds=0, lam_alpha=10.0, lr=0.05, local_steps=2, single_loop=True, alpha_every=3)
+    ctx = A.Context(fed, model, torch.device("cpu"))
+    state = alg.init(ctx)
+    alphas = []
+    for t in range(1, 8):
+        state = alg.round(state, ctx, t)
+        alphas.append(state.alpha.clone())
+    assert torch.equal(alphas[0], alphas[2]) and not torch.equal(alphas[2], alphas[3])
+    torch.testing.assert_close(alphas[3], mixing_weights(model, _w_at(alg, fed, model, 4), fed.train, 10.0))
+
+
+def _w_at(alg, fed, model, t):
+    """The FedAvg model of a single-loop PERM run after round t."""
+    ctx = A.Context(fed, model, torch.device("cpu"))
+    state = alg.init(ctx)
+    for s in range(1, t + 1):
+        alg._fedavg(state, ctx, s)
+    return state.w
+
+
+def test_bad_hyperparameters():
+    with pytest.raises(ValueError, match="lam_alpha"):
+        PERM(warmup_rounds=1, lam_alpha=0.0, lr=0.1)
+    with pytest.raises(ValueError, match="warmup_rounds"):
+        PERM(warmup_rounds=-1, lam_alpha=1.0, lr=0.1)
+    with pytest.raises(ValueError, match="alpha_every"):
+        PERM(warmup_rounds=1, lam_alpha=1.0, lr=0.1, alpha_every=0)
+
+
+def test_resume_is_bitwise(tmp_path):
+    fed = data.two_groups(num_clients=12, samples_per_client=30, dim=6, seed=0)
+    model = models.Logistic(6, fit_intercept=False)
+    alg = PERM(warmup_rounds=3, lam_alpha=10.0, lr=0.05, local_steps=2, batch_size=5)
+    kw = dict(rounds=9, clients_per_round=6, eval_every=3, progress=False)
+    full = pflcore.run(alg, fed, model, **kw)
+    ck = tmp_path / "ck"
+    pflcore.run(alg, fed, model, checkpoint=str(ck), checkpoint_every=3, **kw)
+    for late in ("round_0000006.pt", "round_0000009.pt"):
+        os.remove(ck / late)
+    resumed = pflcore.resume(str(ck), progress=False)
+    assert torch.equal(resumed.personalized, full.personalized)
+    assert torch.equal(resumed.state.alpha, full.state.alpha)
