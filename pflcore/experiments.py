@@ -16,7 +16,7 @@ import torch
 from pflcore import algorithms as A
 from pflcore import data as D
 from pflcore import models as M
-from pflcore.result import finish_axes, plot_results, pyplot, save_figure
+from pflcore.result import finish_axes, plot_matrix, plot_results, pyplot, save_figure
 from pflcore.run import run
 
 # The comparison `pflcore run` makes with no arguments: Synthetic(0.5, 0.5), 100 clients,
@@ -162,6 +162,7 @@ def run_experiment(cfg: Dict[str, Any], *, only: Optional[List[str]] = None, pro
                 tag = label if key is None else f"{label} ({key}={value})"
                 curves.setdefault(tag, res)
                 res.to_json(os.path.join(out, f"{_slug(tag)}_seed{seed}.json"))
+                _plot_state_matrices(res, tag, seed, out, log)
             row = {"algorithm": label, "sweep": value}
             for k in metrics:
                 row[k], row[k + "_std"] = _summary(finals[k])
@@ -178,6 +179,18 @@ def run_experiment(cfg: Dict[str, Any], *, only: Optional[List[str]] = None, pro
     except ImportError as exc:
         log(f"(no plot: {exc})")
     return summary
+
+
+def _plot_state_matrices(res, tag: str, seed: int, out: str, log) -> None:
+    """PERM's mixing weights α [m, m] as a heat-map PNG beside the run's JSON."""
+    alpha = getattr(res.state, "alpha", None)
+    if not isinstance(alpha, torch.Tensor) or alpha.dim() != 2:
+        return
+    try:
+        plot_matrix(alpha, os.path.join(out, f"{_slug(tag)}_seed{seed}_alpha.png"),
+                    f"{tag}: mixing weights α (row i: model i's weight on client j)")
+    except ImportError as exc:
+        log(f"(no plot: {exc})")
 
 
 def _slug(text: str) -> str:

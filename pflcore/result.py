@@ -106,3 +106,16 @@ def plot_results(results: Dict[str, "Result"], path: str, keys=("personalized_ac
                         linestyle="--" if "+Anderson" in res.algorithm or "+AA" in label else "-")
         finish_axes(ax, "round", key, key in ("optimality_gap", "residual") or key.startswith("stat_error"))
     return save_figure(fig, path)
+
+
+def plot_matrix(matrix, path: str, title: str, xlabel: str = "client j", ylabel: str = "model i") -> str:
+    """A heat-map of a ``[m, k]`` matrix (e.g. PERM's mixing weights α) as a PNG."""
+    plt = pyplot()
+    values = matrix.detach().cpu().double().numpy()
+    fig, ax = plt.subplots(figsize=(5.2, 4.4))
+    image = ax.imshow(values, cmap="viridis", interpolation="nearest", aspect="auto")
+    fig.colorbar(image, ax=ax)
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    return save_figure(fig, path)

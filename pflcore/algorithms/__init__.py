@@ -2,7 +2,7 @@
 from pflcore.algorithms.accelerated import Accelerated
 from pflcore.algorithms.base import Algorithm, Context
 from pflcore.algorithms.cgpfl import CGPFL, CGPFLHeur
-from pflcore.algorithms.fedavg import FedAvg, LocalTrain
+from pflcore.algorithms.fedavg import FedAvg, LocalizedFedAvg, LocalTrain
 from pflcore.algorithms.fedprox import FedProx
 from pflcore.algorithms.perfedavg import PerFedAvg
 from pflcore.algorithms.perm import PERM
@@ -11,10 +11,10 @@ from pflcore.algorithms.splitting import FedPi, FedProxClassic, FedRP, FedSplit,
 
 GlobalTrain = FedAvg
 
-REGISTRY = {"localtrain": LocalTrain, "fedavg": FedAvg, "globaltrain": FedAvg, "fedprox": FedProx,
+REGISTRY = {"localtrain": LocalTrain, "fedavg": FedAvg, "globaltrain": FedAvg, "localizedfedavg": LocalizedFedAvg, "fedprox": FedProx,
             "pfedme": PFedMe, "perfedavg": PerFedAvg, "grandscheme": GrandScheme, "fedproxclassic": FedProxClassic,
             "fedsplit": FedSplit, "fedpi": FedPi, "fedrp": FedRP, "cgpfl": CGPFL, "cgpflheur": CGPFLHeur,
             "perm": PERM}
 
 __all__ = ["Accelerated", "Algorithm", "CGPFL", "CGPFLHeur", "Context", "FedAvg", "FedPi", "FedProx", "FedProxClassic",
-           "FedRP", "FedSplit", "GlobalTrain", "GrandScheme", "LocalTrain", "PERM", "PFedMe", "PerFedAvg", "REGISTRY"]
+           "FedRP", "FedSplit", "GlobalTrain", "GrandScheme", "LocalTrain", "LocalizedFedAvg", "PERM", "PFedMe", "PerFedAvg", "REGISTRY"]

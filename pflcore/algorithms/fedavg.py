@@ -70,3 +70,36 @@ class FedAvg(ServerModelFixedPoint, Algorithm):
 
     def global_model(self, state: GlobalState) -> torch.Tensor:
         return state.w
+
+
+@dataclass
+class LocalizedState:
+    w: torch.Tensor      # [d] the global model
+    theta: torch.Tensor  # [m, d] w fine-tuned on each client's training data
+
+
+class LocalizedFedAvg(FedAvg):
+    """FedAvg followed by local fine-tuning ("localized FedAvg", PERM's baseline): after each
+    round every client takes ``finetune_steps`` full-batch gradient steps of ``finetune_lr``
+    from the new global model on its own data; those are the personalized models."""
+
+    name = "LocalizedFedAvg"
+
+    def __init__(self, lr: float, local_steps: int = 1, batch_size: Optional[int] = None, finetune_steps: int = 5,
+                 finetune_lr: Optional[float] = None):
+        super().__init__(lr, local_steps, batch_size)
+        self.finetune_steps = count_int(finetune_steps, "finetune_steps", self.name)
+        self.finetune_lr = self.lr if finetune_lr is None else positive(finetune_lr, "finetune_lr", self.name)
+
+    def init(self, ctx: Context) -> LocalizedState:
+        return LocalizedState(ctx.initial_global(), ctx.initial_models(ctx.m))
+
+    def round(self, state: LocalizedState, ctx: Context, t: int) -> LocalizedState:
+        state = super().round(state, ctx, t)
+        state.theta = state.w.expand(ctx.m, ctx.d).contiguous()
+        ops.local_steps(ctx.model, state.theta, ctx.train, steps=self.finetune_steps, lr=self.finetune_lr)
+        ctx.count(ctx.m * self.finetune_steps)
+        return state
+
+    def personalized(self, state: LocalizedState) -> torch.Tensor:
+        return state.theta
