@@ -22,8 +22,9 @@ def _project_simplex(v: torch.Tensor) -> torch.Tensor:
     return (v - css.gather(1, rho - 1) / rho).clamp_min(0)
 
 
-def _pgd(costs, counts, lam, iters=20000):
-    """Projected gradient descent on Σ c_j α_j + λ Σ α_j²/n_j with step 1/L, L = 2λ/min n."""
+def _pgd(costs, counts, lam, iters=2000):
+    """Projected gradient descent on Σ c_j α_j + λ Σ α_j²/n_j with step 1/L, L = 2λ/min n: a
+    contraction by 1 − min n/max n ≥ 1 − 5/40 per step, so 2,000 steps are exact to rounding."""
     q = lam / counts.to(torch.float64)
     step = 1.0 / (2 * float(q.max()))
     a = torch.full_like(costs, 1.0 / costs.shape[1])
@@ -45,6 +46,19 @@ def test_water_filling_equals_projected_gradient_descent(seed):
     assert bool((alpha >= 0).all())
     torch.testing.assert_close(alpha.sum(1), torch.ones(m, dtype=torch.float64), rtol=0, atol=1e-12)
     torch.testing.assert_close(alpha, _pgd(costs, counts, lam), rtol=0, atol=1e-8)
+
+
+@pytest.mark.parametrize("lam", [0.01, 1.0, 100.0, 1e5])
+def test_water_filling_candidate_screen_is_exact(lam):
+    """The top-k screen (few candidates, retried with more) equals the full sort, including rows
+    whose active set is larger than the first screen."""
+    g = torch.Generator().manual_seed(5)
+    costs = pairwise_sqdist(torch.randn(300, 8, generator=g, dtype=torch.float64))
+    counts = torch.randint(1, 100, (300,), generator=g)
+    full = water_filling(costs, counts, lam, candidates=10**6)
+    assert torch.equal(water_filling(costs, counts, lam, candidates=2), full)
+    assert torch.equal(water_filling(costs, counts, lam), full)
+    assert torch.equal(water_filling(costs.float(), counts, lam), water_filling(costs.float().double(), counts, lam))
 
 
 def test_water_filling_limits_and_errors():
