@@ -128,7 +128,8 @@ def test_two_groups_mixing_weights_and_accuracy():
     assert float(own.min()) >= 0.9
     assert int((perm.state.alpha > 0).sum(1).min()) > 1  # a real mixture, not local training
     fedavg = pflcore.run(A.FedAvg(lr=0.05, local_steps=5), fed, model, rounds=100, eval_every=100, progress=False)
-    pfedme = pflcore.run(A.PFedMe(lam=15.0, lr=0.01, personal_lr=0.05, inner_steps=5, local_rounds=5, batch_size=20),
+    # pFedMe with the best λ of experiments/perm_two_groups.toml's grid (λ = 0.3).
+    pfedme = pflcore.run(A.PFedMe(lam=0.3, lr=0.1, personal_lr=0.1, inner_steps=5, local_rounds=5, batch_size=20),
                          fed, model, rounds=100, eval_every=100, progress=False)
     acc = perm.history[-1]["personalized_acc"]
     assert acc > fedavg.history[-1]["global_acc"] + 0.2
