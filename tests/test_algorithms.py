@@ -28,6 +28,21 @@ def test_fedavg_one_local_step_converges_to_pooled_least_squares():
     assert float((res.global_model - want).norm() / want.norm()) < 1e-6
 
 
+def test_localized_fedavg_fine_tunes_the_global_model_on_each_client():
+    """Its global model is FedAvg's; its personalized models are that model after the fine-tuning
+    steps on each client (with many steps: each client's own least-squares solution)."""
+    fed = _ls_federation(3)
+    model = models.LeastSquares(6, fit_intercept=False)
+    loc = pflcore.run(A.LocalizedFedAvg(lr=0.1, local_steps=2, finetune_steps=400, finetune_lr=0.5), fed, model,
+                      rounds=5, eval_every=5, progress=False)
+    avg = pflcore.run(A.FedAvg(lr=0.1, local_steps=2), fed, model, rounds=5, eval_every=5, progress=False)
+    assert torch.equal(loc.global_model, avg.global_model)
+    for i in range(fed.num_clients):
+        X, y = fed.train.client(i)
+        want = torch.linalg.solve(X.T @ X, X.T @ y)
+        assert float((loc.personalized[i] - want).norm() / want.norm()) < 1e-6
+
+
 def test_localtrain_converges_to_each_clients_solution():
     fed = _ls_federation(1)
     model = models.LeastSquares(6, fit_intercept=False)
