@@ -265,20 +265,23 @@ def two_groups(num_clients: int = 50, samples_per_client: int = 100, dim: int = 
 
 
 def contexts(num_clients: int = 40, num_contexts: int = 4, dim: int = 60, num_classes: int = 10,
-             client_noise: float = 0.0, beta: float = 0.5, sizes=(100, 500), seed: int = 0,
+             client_noise: float = 0.0, beta: float = 0.5, feature_spread: float = 1.0, sizes=(100, 500),
+             seed: int = 0,
              test_fraction: float = 0.25, dtype: torch.dtype = torch.float32) -> Federation:
     """Clients drawn from a few latent contexts (the setting CGPFL is built for).
 
     A context is a data distribution: its own model and its own feature mean. For context c
     and client k in context c(k) (contexts dealt evenly, then shuffled)::
 
-        W_c ~ N(0, 1)^{dim×C},  b_c ~ N(0, 1)^C,  B_c ~ N(0, β²),  v_c ~ N(B_c, 1)^dim
+        W_c ~ N(0, 1)^{dim×C},  b_c ~ N(0, 1)^C,  B_c ~ N(0, β²),  v_c ~ N(B_c, s²)^dim
         W_k = W_c(k) + client_noise·N(0, 1)  (and b_k, v_k alike)
         n_k ~ uniform integers in [sizes[0], sizes[1]]
         x ~ N(v_k, Σ),  Σ = diag(j^{-1.2}),  y = argmax(x W_k + b_k)
 
-    With ``client_noise = 0`` the clients of a context draw from one distribution exactly
-    (they differ only by their samples and sizes).
+    with s = ``feature_spread``. With ``client_noise = 0`` the clients of a context draw from one
+    distribution exactly (they differ only by their samples and sizes). ``beta = 0`` and
+    ``feature_spread = 0`` give every context the same features (v = 0): the contexts then
+    differ only in how they label the same inputs (concept shift), which no single model fits.
     ``truth [m, (dim+1)·C]``: [W_k; b_k] in the layout of ``Softmax(dim, C, fit_intercept=True)``;
     ``truth_global`` = None; ``meta["contexts"]``: the context of every client.
     """
@@ -301,7 +304,8 @@ def contexts(num_clients: int = 40, num_contexts: int = 4, dim: int = 60, num_cl
     rng = np.random.default_rng(seed)
     context = rng.permutation(np.arange(m) % K)
     W_c = rng.normal(0.0, 1.0, (K, dim + 1, C))  # [W_c; b_c]
-    v_c = rng.normal(rng.normal(0.0, beta, K)[:, None], 1.0, (K, dim))
+    feature_spread = check_real(feature_spread, "feature_spread", minimum=0.0)
+    v_c = rng.normal(0.0, 1.0, (K, dim)) * feature_spread + rng.normal(0.0, beta, K)[:, None]
     Wb = W_c[context] + client_noise * rng.normal(0.0, 1.0, (m, dim + 1, C))
     v = v_c[context] + client_noise * rng.normal(0.0, 1.0, (m, dim))
     truth = _rounded(Wb.reshape(m, (dim + 1) * C), npd)
@@ -313,7 +317,7 @@ def contexts(num_clients: int = 40, num_contexts: int = 4, dim: int = 60, num_cl
         y[lo:hi] = np.argmax(x[lo:hi] @ Wk[:dim] + Wk[dim], axis=1)
 
     meta = dict(generator="contexts", num_clients=m, num_contexts=K, dim=dim, num_classes=C,
-                client_noise=client_noise, beta=beta, sizes=[int(sizes[0]), int(sizes[1])], seed=seed,
+                client_noise=client_noise, beta=beta, feature_spread=feature_spread, sizes=[int(sizes[0]), int(sizes[1])], seed=seed,
                 test_fraction=test_fraction, model=f"Softmax(p={dim}, C={C}, fit_intercept=True)",
                 contexts=context.tolist())
     return _federation(x, y, n, test_fraction, dtype=dtype, num_classes=C, truth=truth, truth_global=None,
