@@ -17,6 +17,8 @@ SMALL = {
                                                              shift=0.5, seed=seed, **kw),
     "two_groups": lambda seed=0, **kw: data.two_groups(num_clients=5, samples_per_client=20, dim=6, seed=seed,
                                                        **kw),
+    "contexts": lambda seed=0, **kw: data.contexts(num_clients=6, num_contexts=2, dim=5, num_classes=3,
+                                                   sizes=(10, 30), seed=seed, **kw),
 }
 # Every argument of each generator must be recorded in meta.
 ARGS = {
@@ -26,6 +28,8 @@ ARGS = {
     "least_squares": ["num_clients", "samples_per_client", "dim", "noise_var", "shift", "seed", "test_fraction",
                       "dtype"],
     "two_groups": ["num_clients", "samples_per_client", "dim", "mu", "seed", "test_fraction", "dtype"],
+    "contexts": ["num_clients", "num_contexts", "dim", "num_classes", "client_noise", "beta", "feature_spread",
+                 "sizes", "seed", "test_fraction", "dtype"],
 }
 
 
@@ -204,6 +208,32 @@ def test_two_groups_truth_classifies_all():
     swapped = fed.truth.flip(0)
     _, correct, count = ops.evaluate(model, swapped, fed.train)
     assert float(correct[0]) / float(count[0]) < 0.5 and float(correct[-1]) / float(count[-1]) < 0.5
+
+
+def test_contexts_clients_of_a_context_share_their_model():
+    fed = data.contexts(num_clients=10, num_contexts=3, dim=8, num_classes=4, sizes=(20, 40), seed=3)
+    ctx = torch.tensor(fed.meta["contexts"])
+    assert sorted(torch.bincount(ctx).tolist()) == [3, 3, 4]  # dealt evenly
+    for c in range(3):
+        rows = fed.truth[ctx == c]
+        assert torch.equal(rows, rows[:1].expand_as(rows))
+    assert not torch.equal(fed.truth[ctx == 0][0], fed.truth[ctx == 1][0])
+    sizes = fed.train.sizes + fed.test.sizes
+    assert int(sizes.min()) >= 20 and int(sizes.max()) <= 40
+    model = models.Softmax(8, 4)
+    correct, count = _accuracy(model, fed, "train")
+    assert torch.equal(correct, count)  # labels are the argmax of the stored truth
+    again = data.contexts(num_clients=10, num_contexts=3, dim=8, num_classes=4, sizes=(20, 40), seed=3)
+    assert torch.equal(again.train.x, fed.train.x) and torch.equal(again.train.y, fed.train.y)
+    noisy = data.contexts(num_clients=10, num_contexts=3, dim=8, num_classes=4, sizes=(20, 40), seed=3,
+                          client_noise=0.1)
+    assert not torch.equal(noisy.truth[ctx == 0][0], noisy.truth[ctx == 0][1])
+    shared = data.contexts(num_clients=6, num_contexts=2, dim=5, beta=0.0, feature_spread=0.0, seed=1)
+    assert abs(float(shared.train.x.mean())) < 0.1  # every context's features centred at 0
+    with pytest.raises(ValueError, match="num_contexts"):
+        data.contexts(num_clients=3, num_contexts=4)
+    with pytest.raises(ValueError, match="sizes"):
+        data.contexts(sizes=(10, 5))
 
 
 # ----------------------------------------------------------------------------- partition
