@@ -87,7 +87,8 @@ def test_layout_dtypes_meta(gen, dtype):
     layout = {"synthetic": (f"Softmax(p={p}, C={C}, fit_intercept=True)", (p + 1) * C),
               "logistic_truth": (f"Logistic(p={p}, fit_intercept=False)", p),
               "least_squares": (f"LeastSquares(p={p}, fit_intercept=False)", p),
-              "two_groups": (f"Logistic(p={p}, fit_intercept=False)", p)}[gen]
+              "two_groups": (f"Logistic(p={p}, fit_intercept=False)", p),
+              "contexts": (f"Softmax(p={p}, C={C}, fit_intercept=True)", (p + 1) * C)}[gen]
     assert (fed.meta["model"], fed.truth.shape[1]) == layout
     if fed.truth_global is not None:
         assert fed.truth_global.shape == (fed.truth.shape[1],) and fed.truth_global.dtype == dtype
