@@ -1,6 +1,9 @@
 // pybind11 bindings for pflcore._core_cuda: argument checks and dispatch only, the math lives
 // in csrc/cuda/. Python passes raw device pointers (tensor.data_ptr()) and the CUDA stream
-// handle (torch.cuda.current_stream().cuda_stream) as ints.
+// handle (torch.cuda.current_stream().cuda_stream) as ints; pflcore/ops validates shapes,
+// dtypes and devices first, so the checks here only turn a broken contract into a ValueError.
+// Kernels are queued on that stream; a launch error raises RuntimeError, an error while a
+// kernel runs surfaces at the next synchronizing call, as for any CUDA work.
 
 #include <pybind11/pybind11.h>
 
@@ -17,56 +20,281 @@
 namespace py = pybind11;
 
 namespace pflcore::cuda {
-// Defined in csrc/cuda/kmeans.cu.
+// csrc/cuda/kmeans.cu
 cudaError_t kmeans_assign(const float* points, const float* centroids, int64_t* labels,
                           float* sqdist, int64_t N, int64_t K, int64_t d, cudaStream_t stream);
 cudaError_t kmeans_assign(const double* points, const double* centroids, int64_t* labels,
                           double* sqdist, int64_t N, int64_t K, int64_t d, cudaStream_t stream);
+cudaError_t kmeans_update(const float* points, const int64_t* order, const int64_t* seg, const float* weights,
+                          float* centroids, double* wsum, int64_t N, int64_t K, int64_t d, cudaStream_t stream);
+cudaError_t kmeans_update(const double* points, const int64_t* order, const int64_t* seg, const double* weights,
+                          double* centroids, double* wsum, int64_t N, int64_t K, int64_t d, cudaStream_t stream);
+// csrc/cuda/local_steps.cu
+int64_t glm_max_classes(bool f64);
+template <typename T>
+cudaError_t glm_local_steps(int family, int64_t p, int64_t C, bool intercept, double l2, void* theta,
+                            const void* x, const void* y, const int64_t* offsets, const int64_t* rows,
+                            int64_t R, const int32_t* batches, int64_t B, const void* anchor,
+                            bool anchor_shared, const void* grad_scale, int64_t steps, double lr, double prox,
+                            cudaStream_t stream);
+template <typename T>
+cudaError_t glm_gradients(int family, int64_t p, int64_t C, bool intercept, double l2, const void* theta,
+                          const void* x, const void* y, const int64_t* offsets, const int64_t* rows, int64_t R,
+                          const int32_t* batches, int64_t B, void* out, cudaStream_t stream);
+template <typename T>
+cudaError_t glm_evaluate(int family, int64_t p, int64_t C, bool intercept, double l2, const void* theta,
+                         const void* x, const void* y, const int64_t* offsets, const int64_t* rows, int64_t R,
+                         void* loss_sum, int64_t* correct, int64_t* count, cudaStream_t stream);
+// csrc/cuda/anderson.cu
+template <typename T>
+cudaError_t anderson_push(const void* u, const void* tu, void* R_hist, void* TU_hist, int64_t D, int64_t slot,
+                          const int64_t* slots, int64_t k, double* dots, cudaStream_t stream);
+template <typename T>
+cudaError_t anderson_gram(const void* vecs, int64_t k, int64_t D, double* G, cudaStream_t stream);
+template <typename T>
+cudaError_t anderson_mix(const void* TU_hist, int64_t D, const int64_t* slots, const double* pi, int64_t k,
+                         void* out, cudaStream_t stream);
 }  // namespace pflcore::cuda
 
 namespace {
 
-void require_pointer(std::uintptr_t p, const char* name) {
-    if (p == 0) throw py::value_error(std::string("kmeans_assign: ") + name + " is a null pointer");
+namespace pc = pflcore::cuda;
+using ptr_t = std::uintptr_t;
+
+template <typename T = void>
+T* as(ptr_t p) { return reinterpret_cast<T*>(p); }
+cudaStream_t as_stream(ptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
+
+void require(bool ok, const std::string& op, const std::string& what) {
+    if (!ok) throw py::value_error(op + ": " + what);
 }
 
-template <typename T>
-cudaError_t dispatch_kmeans_assign(std::uintptr_t points, std::uintptr_t centroids,
-                                   std::uintptr_t labels, std::uintptr_t sqdist, int64_t N,
-                                   int64_t K, int64_t d, std::uintptr_t stream) {
-    return pflcore::cuda::kmeans_assign(
-        reinterpret_cast<const T*>(points), reinterpret_cast<const T*>(centroids),
-        reinterpret_cast<int64_t*>(labels), reinterpret_cast<T*>(sqdist), N, K, d,
-        reinterpret_cast<cudaStream_t>(stream));
+void require_pointer(ptr_t p, const std::string& op, const char* name) {
+    require(p != 0, op, std::string(name) + " is a null pointer");
 }
 
-void kmeans_assign(std::uintptr_t points, std::uintptr_t centroids, std::uintptr_t labels,
-                   std::uintptr_t sqdist, int64_t N, int64_t K, int64_t d,
-                   const std::string& dtype, std::uintptr_t stream) {
-    if (N < 0) throw py::value_error("kmeans_assign: N must be >= 0, got " + std::to_string(N));
-    if (K < 1) throw py::value_error("kmeans_assign: K must be >= 1, got " + std::to_string(K));
-    if (d < 1) throw py::value_error("kmeans_assign: d must be >= 1, got " + std::to_string(d));
-    const bool f32 = dtype == "float32";
-    if (!f32 && dtype != "float64")
-        throw py::value_error("kmeans_assign: dtype must be 'float32' or 'float64', got '" +
-                              dtype + "'");
+// true for float64, false for float32; anything else is a ValueError.
+bool is_f64(const std::string& dtype, const std::string& op) {
+    require(dtype == "float32" || dtype == "float64", op,
+            "dtype must be 'float32' or 'float64', got '" + dtype + "'");
+    return dtype == "float64";
+}
+
+void check(cudaError_t err, const std::string& op) {
+    if (err != cudaSuccess) throw std::runtime_error(op + ": CUDA error: " + cudaGetErrorString(err));
+}
+
+// ---- k-means ------------------------------------------------------------------------------
+
+void kmeans_assign(ptr_t points, ptr_t centroids, ptr_t labels, ptr_t sqdist, int64_t N, int64_t K, int64_t d,
+                   const std::string& dtype, ptr_t stream) {
+    const std::string op = "kmeans_assign";
+    require(N >= 0, op, "N must be >= 0, got " + std::to_string(N));
+    require(K >= 1, op, "K must be >= 1, got " + std::to_string(K));
+    require(d >= 1, op, "d must be >= 1, got " + std::to_string(d));
+    const bool f64 = is_f64(dtype, op);
     if (N > 0) {
-        require_pointer(points, "points");
-        require_pointer(centroids, "centroids");
-        require_pointer(labels, "labels");
-        require_pointer(sqdist, "sqdist");
+        require_pointer(points, op, "points");
+        require_pointer(centroids, op, "centroids");
+        require_pointer(labels, op, "labels");
+        require_pointer(sqdist, op, "sqdist");
     }
-
     cudaError_t err;
     {
         py::gil_scoped_release nogil;
-        err = f32 ? dispatch_kmeans_assign<float>(points, centroids, labels, sqdist, N, K, d, stream)
-                  : dispatch_kmeans_assign<double>(points, centroids, labels, sqdist, N, K, d, stream);
+        err = f64 ? pc::kmeans_assign(as<const double>(points), as<const double>(centroids), as<int64_t>(labels),
+                                      as<double>(sqdist), N, K, d, as_stream(stream))
+                  : pc::kmeans_assign(as<const float>(points), as<const float>(centroids), as<int64_t>(labels),
+                                      as<float>(sqdist), N, K, d, as_stream(stream));
     }
-    if (err != cudaSuccess)
-        throw std::runtime_error(std::string("kmeans_assign: CUDA error: ") +
-                                 cudaGetErrorString(err));
+    check(err, op);
 }
+
+void kmeans_update(ptr_t points, ptr_t order, ptr_t seg, ptr_t weights, ptr_t centroids, ptr_t wsum, int64_t N,
+                   int64_t K, int64_t d, const std::string& dtype, ptr_t stream) {
+    const std::string op = "kmeans_update";
+    require(N >= 0 && K >= 1 && d >= 1, op,
+            "expected N >= 0, K >= 1, d >= 1, got " + std::to_string(N) + ", " + std::to_string(K) + ", " +
+                std::to_string(d));
+    require((d + 255) / 256 <= 65535, op, "d is too large for the grid (at most 16,776,960 features)");
+    const bool f64 = is_f64(dtype, op);
+    require_pointer(seg, op, "seg");
+    require_pointer(centroids, op, "centroids");
+    require_pointer(wsum, op, "wsum");
+    if (N > 0) {
+        require_pointer(points, op, "points");
+        require_pointer(order, op, "order");
+    }
+    cudaError_t err;
+    {
+        py::gil_scoped_release nogil;
+        err = f64 ? pc::kmeans_update(as<const double>(points), as<const int64_t>(order), as<const int64_t>(seg),
+                                      as<const double>(weights), as<double>(centroids), as<double>(wsum), N, K, d,
+                                      as_stream(stream))
+                  : pc::kmeans_update(as<const float>(points), as<const int64_t>(order), as<const int64_t>(seg),
+                                      as<const float>(weights), as<float>(centroids), as<double>(wsum), N, K, d,
+                                      as_stream(stream));
+    }
+    check(err, op);
+}
+
+// ---- GLM local steps, gradients, evaluate -------------------------------------------------
+
+void check_glm(const std::string& op, int family, int64_t p, int64_t C, bool f64, ptr_t theta, ptr_t x, ptr_t y,
+               ptr_t offsets, ptr_t rows, int64_t R) {
+    require(family >= 0 && family <= 2, op, "family must be 0, 1 or 2, got " + std::to_string(family));
+    require(p >= 1 && C >= 1, op, "expected p >= 1 and C >= 1");
+    require(family == 2 || C == 1, op, "least squares and logistic regression have C = 1");
+    require(R >= 0, op, "R must be >= 0");
+    const int64_t max_c = pc::glm_max_classes(f64);
+    require(C <= max_c, op,
+            "the CUDA kernels take at most " + std::to_string(max_c) + " classes for this dtype, got C = " +
+                std::to_string(C) + " (use the triton or reference backend)");
+    if (R > 0) {
+        require_pointer(theta, op, "theta");
+        require_pointer(x, op, "x");
+        require_pointer(y, op, "y");
+        require_pointer(offsets, op, "offsets");
+        require_pointer(rows, op, "rows");
+    }
+}
+
+void local_steps(int family, int64_t p, int64_t C, bool intercept, double l2, ptr_t theta, ptr_t x, ptr_t y,
+                 ptr_t offsets, ptr_t rows, int64_t R, ptr_t batches, int64_t B, ptr_t anchor, bool anchor_shared,
+                 ptr_t grad_scale, int64_t steps, double lr, double prox, const std::string& dtype, ptr_t stream) {
+    const std::string op = "local_steps";
+    const bool f64 = is_f64(dtype, op);
+    check_glm(op, family, p, C, f64, theta, x, y, offsets, rows, R);
+    require(steps >= 0, op, "steps must be >= 0");
+    require(batches == 0 || B >= 1, op, "batches need B >= 1");
+    cudaError_t err;
+    {
+        py::gil_scoped_release nogil;
+        auto run = [&](auto tag) {
+            using T = decltype(tag);
+            return pc::glm_local_steps<T>(family, p, C, intercept, l2, as(theta), as(x), as(y),
+                                          as<const int64_t>(offsets), as<const int64_t>(rows), R,
+                                          as<const int32_t>(batches), B, as(anchor), anchor_shared, as(grad_scale),
+                                          steps, lr, prox, as_stream(stream));
+        };
+        err = f64 ? run(double{}) : run(float{});
+    }
+    check(err, op);
+}
+
+void gradients(int family, int64_t p, int64_t C, bool intercept, double l2, ptr_t theta, ptr_t x, ptr_t y,
+               ptr_t offsets, ptr_t rows, int64_t R, ptr_t batches, int64_t B, ptr_t out, const std::string& dtype,
+               ptr_t stream) {
+    const std::string op = "gradients";
+    const bool f64 = is_f64(dtype, op);
+    check_glm(op, family, p, C, f64, theta, x, y, offsets, rows, R);
+    require(batches == 0 || B >= 1, op, "batches need B >= 1");
+    if (R > 0) require_pointer(out, op, "out");
+    cudaError_t err;
+    {
+        py::gil_scoped_release nogil;
+        auto run = [&](auto tag) {
+            using T = decltype(tag);
+            return pc::glm_gradients<T>(family, p, C, intercept, l2, as(theta), as(x), as(y),
+                                        as<const int64_t>(offsets), as<const int64_t>(rows), R,
+                                        as<const int32_t>(batches), B, as(out), as_stream(stream));
+        };
+        err = f64 ? run(double{}) : run(float{});
+    }
+    check(err, op);
+}
+
+void evaluate(int family, int64_t p, int64_t C, bool intercept, double l2, ptr_t theta, ptr_t x, ptr_t y,
+              ptr_t offsets, ptr_t rows, int64_t R, ptr_t loss_sum, ptr_t correct, ptr_t count,
+              const std::string& dtype, ptr_t stream) {
+    const std::string op = "evaluate";
+    const bool f64 = is_f64(dtype, op);
+    check_glm(op, family, p, C, f64, theta, x, y, offsets, rows, R);
+    if (R > 0) {
+        require_pointer(loss_sum, op, "loss_sum");
+        require_pointer(correct, op, "correct");
+        require_pointer(count, op, "count");
+    }
+    cudaError_t err;
+    {
+        py::gil_scoped_release nogil;
+        auto run = [&](auto tag) {
+            using T = decltype(tag);
+            return pc::glm_evaluate<T>(family, p, C, intercept, l2, as(theta), as(x), as(y),
+                                       as<const int64_t>(offsets), as<const int64_t>(rows), R, as(loss_sum),
+                                       as<int64_t>(correct), as<int64_t>(count), as_stream(stream));
+        };
+        err = f64 ? run(double{}) : run(float{});
+    }
+    check(err, op);
+}
+
+// ---- Anderson ------------------------------------------------------------------------------
+
+void anderson_push(ptr_t u, ptr_t tu, ptr_t R_hist, ptr_t TU_hist, int64_t D, int64_t slot, ptr_t slots, int64_t k,
+                   ptr_t dots, const std::string& dtype, ptr_t stream) {
+    const std::string op = "anderson_push";
+    const bool f64 = is_f64(dtype, op);
+    require(D >= 0 && k >= 0 && slot >= 0, op, "expected D, k, slot >= 0");
+    if (k > 0) {
+        require_pointer(slots, op, "slots");
+        require_pointer(dots, op, "dots");
+    }
+    if (D > 0) {
+        require_pointer(u, op, "u");
+        require_pointer(tu, op, "tu");
+        require_pointer(R_hist, op, "R_hist");
+        require_pointer(TU_hist, op, "TU_hist");
+    }
+    cudaError_t err;
+    {
+        py::gil_scoped_release nogil;
+        err = f64 ? pc::anderson_push<double>(as(u), as(tu), as(R_hist), as(TU_hist), D, slot,
+                                              as<const int64_t>(slots), k, as<double>(dots), as_stream(stream))
+                  : pc::anderson_push<float>(as(u), as(tu), as(R_hist), as(TU_hist), D, slot,
+                                             as<const int64_t>(slots), k, as<double>(dots), as_stream(stream));
+    }
+    check(err, op);
+}
+
+void anderson_mix(ptr_t TU_hist, int64_t D, ptr_t slots, ptr_t pi, int64_t k, ptr_t out, const std::string& dtype,
+                  ptr_t stream) {
+    const std::string op = "anderson_mix";
+    const bool f64 = is_f64(dtype, op);
+    require(D >= 0 && k >= 1, op, "expected D >= 0 and k >= 1");
+    if (D > 0) {
+        require_pointer(TU_hist, op, "TU_hist");
+        require_pointer(slots, op, "slots");
+        require_pointer(pi, op, "pi");
+        require_pointer(out, op, "out");
+    }
+    cudaError_t err;
+    {
+        py::gil_scoped_release nogil;
+        err = f64 ? pc::anderson_mix<double>(as(TU_hist), D, as<const int64_t>(slots), as<const double>(pi), k,
+                                             as(out), as_stream(stream))
+                  : pc::anderson_mix<float>(as(TU_hist), D, as<const int64_t>(slots), as<const double>(pi), k,
+                                            as(out), as_stream(stream));
+    }
+    check(err, op);
+}
+
+void gram(ptr_t vecs, int64_t k, int64_t D, ptr_t G, const std::string& dtype, ptr_t stream) {
+    const std::string op = "gram";
+    const bool f64 = is_f64(dtype, op);
+    require(k >= 1 && D >= 0, op, "expected k >= 1 and D >= 0");
+    require_pointer(G, op, "G");
+    if (D > 0) require_pointer(vecs, op, "vecs");
+    cudaError_t err;
+    {
+        py::gil_scoped_release nogil;
+        err = f64 ? pc::anderson_gram<double>(as(vecs), k, D, as<double>(G), as_stream(stream))
+                  : pc::anderson_gram<float>(as(vecs), k, D, as<double>(G), as_stream(stream));
+    }
+    check(err, op);
+}
+
+// ---- module info ---------------------------------------------------------------------------
 
 int device_count() {
     int n = 0;
@@ -77,6 +305,11 @@ int device_count() {
     return n;
 }
 
+// Op names as pflcore.backend.select() asks for them ("anderson": push, mix and gram; the
+// small solve runs on the host).
+constexpr const char* kOps[] = {"local_steps", "gradients", "evaluate", "kmeans_assign", "kmeans_update",
+                                "anderson"};
+
 py::dict build_info() {
     int version = 0;
     if (cudaRuntimeGetVersion(&version) != cudaSuccess) {
@@ -84,11 +317,12 @@ py::dict build_info() {
         version = -1;
     }
     py::list ops;
-    ops.append("kmeans_assign");
+    for (const char* op : kOps) ops.append(op);
     py::dict info;
     info["cuda_runtime_version"] = version;
     info["architectures"] = std::string(PFLCORE_CUDA_ARCHS);
     info["ops"] = ops;
+    info["max_classes"] = py::make_tuple(pc::glm_max_classes(false), pc::glm_max_classes(true));
     return info;
 }
 
@@ -97,20 +331,54 @@ py::dict build_info() {
 PYBIND11_MODULE(_core_cuda, m) {
     m.doc() =
         "pflcore CUDA kernels (no libtorch). Tensors are passed as raw device pointers "
-        "(tensor.data_ptr()) with their sizes, a dtype name and the CUDA stream handle "
-        "(torch.cuda.current_stream().cuda_stream); kernels are launched asynchronously on "
-        "that stream. The caller guarantees contiguous tensors on the current device.";
+        "(tensor.data_ptr(), 0 for an absent optional tensor) with their sizes, a dtype name "
+        "('float32' or 'float64') and the CUDA stream handle (torch.cuda.current_stream().cuda_stream); "
+        "kernels are launched asynchronously on that stream. The caller (pflcore.ops) guarantees "
+        "validated, contiguous tensors on the current device.";
 
-    m.def("kmeans_assign", &kmeans_assign, py::arg("points"), py::arg("centroids"),
-          py::arg("labels"), py::arg("sqdist"), py::arg("N"), py::arg("K"), py::arg("d"),
-          py::arg("dtype"), py::arg("stream"),
+    m.def("kmeans_assign", &kmeans_assign, py::arg("points"), py::arg("centroids"), py::arg("labels"),
+          py::arg("sqdist"), py::arg("N"), py::arg("K"), py::arg("d"), py::arg("dtype"), py::arg("stream"),
           "k-means assignment: labels[i] = argmin_k sum_j (points[i,j] - centroids[k,j])^2 "
           "(ties to the lowest k) and sqdist[i] = that minimum.\n"
           "points [N, d] and centroids [K, d] are contiguous float32/float64 (dtype), labels "
           "[N] is int64, sqdist [N] has the dtype of points. N >= 0, K >= 1, d >= 1.");
+    m.def("kmeans_update", &kmeans_update, py::arg("points"), py::arg("order"), py::arg("seg"), py::arg("weights"),
+          py::arg("centroids"), py::arg("wsum"), py::arg("N"), py::arg("K"), py::arg("d"), py::arg("dtype"),
+          py::arg("stream"),
+          "Lloyd update: wsum[k] (float64 [K]) = sum of the weights [N] (0 = all 1) of cluster k, "
+          "centroids[k] ([K, d], in place) = their weighted mean where wsum[k] > 0. order [N] int64 "
+          "lists the points sorted by label (stable), seg [K + 1] int64 the start of each cluster's run.");
+    m.def("local_steps", &local_steps, py::arg("family"), py::arg("p"), py::arg("C"), py::arg("intercept"),
+          py::arg("l2"), py::arg("theta"), py::arg("x"), py::arg("y"), py::arg("offsets"), py::arg("rows"),
+          py::arg("R"), py::arg("batches"), py::arg("B"), py::arg("anchor"), py::arg("anchor_shared"),
+          py::arg("grad_scale"), py::arg("steps"), py::arg("lr"), py::arg("prox"), py::arg("dtype"),
+          py::arg("stream"),
+          "theta [R, d] <- `steps` fused gradient steps per model row, in place (see pflcore.ops.local_steps). "
+          "x [N, p], y [N] (dtype or int64), offsets [m + 1] int64, rows [R] int64, batches [R, steps, B] int32 "
+          "or 0, anchor [R, d] or [d] (anchor_shared) or 0, grad_scale [R] or 0.");
+    m.def("gradients", &gradients, py::arg("family"), py::arg("p"), py::arg("C"), py::arg("intercept"),
+          py::arg("l2"), py::arg("theta"), py::arg("x"), py::arg("y"), py::arg("offsets"), py::arg("rows"),
+          py::arg("R"), py::arg("batches"), py::arg("B"), py::arg("out"), py::arg("dtype"), py::arg("stream"),
+          "out [R, d] <- gradient of each row's client objective (full batch, or batches [R, B] int32).");
+    m.def("evaluate", &evaluate, py::arg("family"), py::arg("p"), py::arg("C"), py::arg("intercept"),
+          py::arg("l2"), py::arg("theta"), py::arg("x"), py::arg("y"), py::arg("offsets"), py::arg("rows"),
+          py::arg("R"), py::arg("loss_sum"), py::arg("correct"), py::arg("count"), py::arg("dtype"),
+          py::arg("stream"),
+          "loss_sum [R] (dtype), correct [R] and count [R] (int64) of each model row on its client's rows.");
+    m.def("anderson_push", &anderson_push, py::arg("u"), py::arg("tu"), py::arg("R_hist"), py::arg("TU_hist"),
+          py::arg("D"), py::arg("slot"), py::arg("slots"), py::arg("k"), py::arg("dots"), py::arg("dtype"),
+          py::arg("stream"),
+          "R_hist[slot] <- tu - u, TU_hist[slot] <- tu ([H, D]); dots [k] float64 <- <R_hist[slots[j]], tu - u> "
+          "with slots [k] int64 (deterministic float64 sums).");
+    m.def("anderson_mix", &anderson_mix, py::arg("TU_hist"), py::arg("D"), py::arg("slots"), py::arg("pi"),
+          py::arg("k"), py::arg("out"), py::arg("dtype"), py::arg("stream"),
+          "out [D] <- sum_j pi[j] * TU_hist[slots[j]] (pi [k] float64, float64 accumulation).");
+    m.def("gram", &gram, py::arg("vecs"), py::arg("k"), py::arg("D"), py::arg("G"), py::arg("dtype"),
+          py::arg("stream"), "G [k, k] float64 <- Gram matrix of vecs [k, D] (deterministic float64 sums).");
     m.def("device_count", &device_count,
           "Number of visible CUDA devices; 0 when there is none or no usable driver.");
     m.def("build_info", &build_info,
           "Dict with cuda_runtime_version (int, -1 on error), architectures (the CUDA "
-          "architectures compiled for) and ops (the op names this module implements).");
+          "architectures compiled for), ops (the op names this module implements) and max_classes "
+          "(largest C of the GLM kernels for float32, float64).");
 }

@@ -6,7 +6,14 @@ Backends: ``native`` (C++/OpenMP, CPU tensors), ``cuda`` (CUDA C++, CUDA tensors
 Choose one with ``pflcore.backend.use("reference")`` (a context manager) or the
 environment variable ``PFLCORE_BACKEND``. A backend requested by name that cannot serve a
 call raises at once with the reason; the automatic choice falls back in a fixed order:
-native -> reference for CPU tensors, cuda -> triton -> reference for CUDA tensors.
+native -> reference for CPU tensors, cuda -> triton -> reference for CUDA tensors. The
+choice is per op: a backend that lacks an op leaves it to the next one in the order.
+
+Triton needs the ``triton`` package (``pip install 'pflcore[triton]'``) and a CUDA device.
+With ``TRITON_INTERPRET=1`` set before its kernels are first loaded, they run under Triton's
+CPU interpreter (slow; that is how the test suite checks them without a GPU): the backend
+then serves CPU (and CUDA) tensors, but only when asked for by name (``use("triton")`` or
+``PFLCORE_BACKEND=triton``); the automatic choice skips it.
 
 Compiled modules are imported lazily, on first use, so ``import pflcore`` is fast and works
 on a machine where they were not built.
@@ -61,13 +68,45 @@ def _load(name: str) -> Tuple[Optional[object], str]:
                 reason = "built, but no CUDA device is visible to the CUDA runtime"
                 module = None
     elif name == "triton":
-        reason = "no Triton kernels in this version (they come with the GPU backends)"
+        module, reason = _load_triton()
     else:  # reference
         import torch
 
         module, reason = torch, f"pure torch {torch.__version__}"
     _loaded[name] = (module, reason)
     return module, reason
+
+
+def _load_triton() -> Tuple[Optional[object], str]:
+    try:
+        import triton
+    except ImportError as exc:
+        return None, f"triton is not installed: pip install 'pflcore[triton]' ({exc})"
+    module = importlib.import_module("pflcore.triton")
+    if module.INTERPRETED:
+        return module, (f"Triton {triton.__version__} under TRITON_INTERPRET=1: the kernels run on "
+                        f"the CPU interpreter (slow); CPU tensors only when requested by name")
+    import torch
+
+    if not torch.cuda.is_available():
+        return None, (f"Triton {triton.__version__} is installed, but torch sees no CUDA device "
+                      f"(set TRITON_INTERPRET=1 before the first use to run its kernels on CPU "
+                      f"tensors under the interpreter)")
+    return module, f"Triton {triton.__version__}"
+
+
+def _serves(name: str) -> Tuple[str, ...]:
+    """Device types whose tensors ``name`` serves when requested by name."""
+    if name == "triton":
+        module, _ = _load(name)
+        if module is not None and module.INTERPRETED:
+            return ("cuda", "cpu")
+    return _SERVES[name]
+
+
+def loaded(name: str) -> Optional[object]:
+    """The module of backend ``name`` if it loads, else None (no error)."""
+    return _load(_check_name(name, "backend"))[0]
 
 
 def ops_of(name: str) -> Tuple[str, ...]:
@@ -128,18 +167,20 @@ def select(op: str, device) -> Tuple[str, object]:
                          f"(pflcore runs on 'cpu' and 'cuda' tensors)")
     name = requested()
     if name is not None:
-        if dev not in _SERVES[name]:
-            raise BackendUnavailable(f"{op}: backend {name!r} was requested but it serves "
-                                     f"{'/'.join(_SERVES[name])} tensors, got {dev!r} tensors")
         module, reason = _load(name)
         if module is None:
             raise BackendUnavailable(f"{op}: backend {name!r} was requested but cannot be used: {reason}")
+        if dev not in _serves(name):
+            raise BackendUnavailable(f"{op}: backend {name!r} was requested but it serves "
+                                     f"{'/'.join(_serves(name))} tensors, got {dev!r} tensors")
         ops = ops_of(name)
         if "*" not in ops and op not in ops:
             raise BackendUnavailable(f"{op}: backend {name!r} was requested but does not implement {op}")
         return name, module
     for name in _AUTO_ORDER[dev]:
         module, _ = _load(name)
+        if name == "triton" and module is not None and module.INTERPRETED:
+            continue  # the interpreter is for tests: only ever used by name
         if module is not None and ("*" in ops_of(name) or op in ops_of(name)):
             return name, module
     raise AssertionError("unreachable: the reference backend serves every op")  # pragma: no cover

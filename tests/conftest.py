@@ -1,10 +1,18 @@
 """Shared fixtures: small random federations with odd shapes (DESIGN.md §7)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-from pflcore import ClientData, backend, models
+# Without a GPU the Triton kernels run under Triton's CPU interpreter (tests/test_triton.py).
+# Triton fixes the mode when a kernel is decorated, i.e. when pflcore.triton is first
+# imported, so it is set here, before any test can load that backend; with a GPU they compile.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from pflcore import ClientData, backend, models  # noqa: E402
 
 # Tolerances of a backend against <op>_ref. Both sides compute the same sums in a different
 # order (the kernel in SIMD lanes, torch in BLAS), so the difference is rounding: at most about

@@ -43,9 +43,10 @@ def test_requested_backend_that_cannot_serve_raises():
     with pytest.raises(ValueError, match="expected one of native, cuda, triton, reference"):
         with backend.use("fast"):
             pass
-    with pytest.raises(backend.BackendUnavailable, match="triton"):
-        with backend.use("triton"):
-            pass
+    if not backend.status()["triton"][0]:  # usable where installed and (GPU or interpreter)
+        with pytest.raises(backend.BackendUnavailable, match="triton"):
+            with backend.use("triton"):
+                pass
     if not torch.cuda.is_available():
         with pytest.raises(backend.BackendUnavailable, match="cuda"):
             with backend.use("cuda"):

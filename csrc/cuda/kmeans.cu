@@ -1,4 +1,5 @@
-// k-means assignment step on the GPU.
+// k-means on the GPU: the assignment step (fused with its argmin) and the Lloyd update (a
+// segmented reduction).
 //
 // Math, for every point i (rows of points [N, d], centroids [K, d]):
 //   dist(i, k) = sum_j (points[i, j] - centroids[k, j])^2     (direct differences, NOT the
@@ -147,7 +148,59 @@ cudaError_t launch_kmeans_assign(const T* points, const T* centroids, int64_t* l
     return cudaGetLastError();
 }
 
+// Lloyd update as a segmented reduction. Python sorts the point indices by label (stable):
+// order [N], and seg [K + 1] holds the start of each cluster's run in order. Block (k, jt)
+// owns cluster k and the features j = jt·kThreads + threadIdx.x; it walks the cluster's run in
+// order, so every sum has a fixed order (float64, no atomics):
+//   wsum[k] = Σ_t w_t,   centroids[k, j] = Σ_t w_t·x_{t, j} / wsum[k]   (kept when wsum[k] = 0)
+// Consecutive threads read consecutive features of a point: coalesced.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+kmeans_update_kernel(const T* __restrict__ points,        // [N, d]
+                     const int64_t* __restrict__ order,   // [N] point indices sorted by label
+                     const int64_t* __restrict__ seg,     // [K + 1] runs of the clusters in order
+                     const T* __restrict__ weights,       // [N] or null (all 1)
+                     T* __restrict__ centroids,           // [K, d]
+                     double* __restrict__ wsum,           // [K]
+                     int64_t d)
+{
+    const int64_t k = blockIdx.x;
+    const int64_t j = int64_t(blockIdx.y) * kThreads + threadIdx.x;
+    const int64_t s0 = seg[k], s1 = seg[k + 1];
+    double acc = 0.0, wacc = 0.0;  // every thread sums the weights too: same loads, no sync
+    for (int64_t t = s0; t < s1; ++t) {
+        const int64_t idx = order[t];
+        const double w = weights ? double(weights[idx]) : 1.0;
+        wacc += w;
+        if (j < d) acc += w * double(points[idx * d + j]);
+    }
+    if (blockIdx.y == 0 && threadIdx.x == 0) wsum[k] = wacc;
+    if (j < d && wacc > 0.0) centroids[k * d + j] = T(acc / wacc);
+}
+
+template <typename T>
+cudaError_t launch_kmeans_update(const T* points, const int64_t* order, const int64_t* seg, const T* weights,
+                                 T* centroids, double* wsum, int64_t N, int64_t K, int64_t d,
+                                 cudaStream_t stream) {
+    if (N < 0 || K < 1 || d < 1) return cudaErrorInvalidValue;
+    const int64_t col_tiles = (d + kThreads - 1) / kThreads;
+    if (K > 0x7fffffff || col_tiles > 65535) return cudaErrorInvalidValue;  // gridDim limits
+    const dim3 grid(static_cast<unsigned>(K), static_cast<unsigned>(col_tiles));
+    kmeans_update_kernel<T><<<grid, kThreads, 0, stream>>>(points, order, seg, weights, centroids, wsum, d);
+    return cudaGetLastError();
+}
+
 }  // namespace
+
+cudaError_t kmeans_update(const float* points, const int64_t* order, const int64_t* seg, const float* weights,
+                          float* centroids, double* wsum, int64_t N, int64_t K, int64_t d, cudaStream_t stream) {
+    return launch_kmeans_update<float>(points, order, seg, weights, centroids, wsum, N, K, d, stream);
+}
+
+cudaError_t kmeans_update(const double* points, const int64_t* order, const int64_t* seg, const double* weights,
+                          double* centroids, double* wsum, int64_t N, int64_t K, int64_t d, cudaStream_t stream) {
+    return launch_kmeans_update<double>(points, order, seg, weights, centroids, wsum, N, K, d, stream);
+}
 
 cudaError_t kmeans_assign(const float* points, const float* centroids, int64_t* labels,
                           float* sqdist, int64_t N, int64_t K, int64_t d, cudaStream_t stream) {

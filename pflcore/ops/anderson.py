@@ -15,6 +15,7 @@ from typing import Dict, List, Optional
 import torch
 
 from pflcore import backend
+from pflcore.ops import _cuda
 from pflcore.ops._checks import (as_tensor, check_device, check_finite, check_float, check_positive_int,
                                  check_real, check_shape, cpu_numpy, out_like)
 
@@ -50,6 +51,11 @@ def _solve_ref(G: torch.Tensor, reg: float) -> torch.Tensor:
 
 
 def _solve(G: torch.Tensor, reg: float, name: str, module) -> torch.Tensor:
+    if name in ("cuda", "triton"):
+        # The k x k solve (k <= memory + 1) stays on the host, where G already is: in the
+        # native core when it is built, else in torch.
+        module = backend.loaded("native")
+        name = "native" if module is not None else "reference"
     if name == "reference":
         return _solve_ref(G, reg)
     pi = torch.empty(G.shape[0], dtype=torch.float64)
@@ -73,9 +79,16 @@ def anderson_weights(residuals, reg: float = 1e-8):
     name, module = backend.select("anderson", R.device)
     if name == "reference":
         return anderson_weights_ref(residuals, reg)
-    G = torch.empty(R.shape[0], R.shape[0], dtype=torch.float64)
-    module.gram(cpu_numpy(R), cpu_numpy(G))
-    return out_like(_solve(G, reg, name, module), is_np)
+    k = R.shape[0]
+    G = torch.empty(k, k, dtype=torch.float64, device=R.device)
+    if name == "native":
+        module.gram(cpu_numpy(R), cpu_numpy(G))
+    elif name == "triton":
+        module.gram(R, G)
+    else:  # cuda
+        with torch.cuda.device(R.device):
+            module.gram(_cuda.ptr(R), k, R.shape[1], _cuda.ptr(G), _cuda.dtype_name(R), _cuda.stream(R))
+    return out_like(_solve(G.cpu(), reg, name, module).to(R.device), is_np)
 
 
 def anderson_weights_ref(residuals, reg: float = 1e-8):
@@ -161,10 +174,21 @@ class Anderson:
         order = [s for s in self._order if s != slot] + [slot]
         if name == "reference":
             dots = _push_ref(uf, tuf, self._R, self._TU, slot, order)
-        else:
+        elif name == "native":
             dots = torch.empty(len(order), dtype=torch.float64)
             module.anderson_push(cpu_numpy(uf), cpu_numpy(tuf), cpu_numpy(self._R), cpu_numpy(self._TU), slot,
                                  cpu_numpy(torch.tensor(order, dtype=torch.int64)), cpu_numpy(dots))
+        else:  # GPU backends: the history stays on the device, only the k dots come back
+            slots = torch.tensor(order, dtype=torch.int64, device=uf.device)
+            dots_dev = torch.empty(len(order), dtype=torch.float64, device=uf.device)
+            if name == "triton":
+                module.anderson_push(uf, tuf, self._R, self._TU, slot, slots, dots_dev)
+            else:
+                with torch.cuda.device(uf.device):
+                    module.anderson_push(_cuda.ptr(uf), _cuda.ptr(tuf), _cuda.ptr(self._R), _cuda.ptr(self._TU),
+                                         uf.numel(), slot, _cuda.ptr(slots), len(order), _cuda.ptr(dots_dev),
+                                         _cuda.dtype_name(uf), _cuda.stream(uf))
+            dots = dots_dev.cpu()
         if not bool(torch.isfinite(dots).all()):
             check_finite(u_t, "u")
             check_finite(tu_t, "tu")
@@ -189,9 +213,18 @@ class Anderson:
         self.weights = pi
         if name == "reference":
             out = _mix_ref(self._TU, order, pi)
-        else:
+        elif name == "native":
             out = torch.empty_like(uf)
             module.anderson_mix(cpu_numpy(self._TU), cpu_numpy(idx), cpu_numpy(pi), cpu_numpy(out))
+        else:
+            out = torch.empty_like(uf)
+            slots, pi_dev = idx.to(uf.device), pi.to(uf.device)
+            if name == "triton":
+                module.anderson_mix(self._TU, slots, pi_dev, out)
+            else:
+                with torch.cuda.device(uf.device):
+                    module.anderson_mix(_cuda.ptr(self._TU), uf.numel(), _cuda.ptr(slots), _cuda.ptr(pi_dev),
+                                        len(order), _cuda.ptr(out), _cuda.dtype_name(uf), _cuda.stream(uf))
         self._last_norm = norm
         return out_like(out.view(self._shape), is_np)
 

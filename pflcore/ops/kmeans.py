@@ -52,6 +52,8 @@ def _assign(points: torch.Tensor, centroids: torch.Tensor):
     sqdist = torch.empty(N, dtype=points.dtype, device=points.device)
     if name == "native":
         module.kmeans_assign(cpu_numpy(points), cpu_numpy(centroids), cpu_numpy(labels), cpu_numpy(sqdist))
+    elif name == "triton":
+        module.kmeans_assign(points, centroids, labels, sqdist)
     else:  # cuda: raw device pointers on the current stream of the tensors' device
         with torch.cuda.device(points.device):
             stream = torch.cuda.current_stream(points.device).cuda_stream
@@ -95,9 +97,24 @@ def _update(points, labels, weights, centroids) -> torch.Tensor:
     name, module = backend.select("kmeans_update", points.device)
     if name == "reference":
         return kmeans_update_ref(points, labels, weights, centroids)
-    wsum = torch.empty(centroids.shape[0], dtype=torch.float64)
-    module.kmeans_update(cpu_numpy(points), cpu_numpy(labels), None if weights is None else cpu_numpy(weights),
-                         cpu_numpy(centroids), cpu_numpy(wsum))
+    wsum = torch.empty(centroids.shape[0], dtype=torch.float64, device=points.device)
+    if name == "native":
+        module.kmeans_update(cpu_numpy(points), cpu_numpy(labels), None if weights is None else cpu_numpy(weights),
+                             cpu_numpy(centroids), cpu_numpy(wsum))
+    else:  # GPU backends: a segmented reduction over the points sorted (stably) by label
+        K = centroids.shape[0]
+        order = torch.sort(labels, stable=True).indices
+        seg = torch.zeros(K + 1, dtype=torch.int64, device=labels.device)
+        seg[1:] = torch.cumsum(torch.bincount(labels, minlength=K), 0)
+        if name == "triton":
+            module.kmeans_update(points, order, seg, weights, centroids, wsum)
+        else:
+            with torch.cuda.device(points.device):
+                module.kmeans_update(points.data_ptr(), order.data_ptr(), seg.data_ptr(),
+                                     0 if weights is None else weights.data_ptr(), centroids.data_ptr(),
+                                     wsum.data_ptr(), points.shape[0], K, points.shape[1],
+                                     str(points.dtype).replace("torch.", ""),
+                                     torch.cuda.current_stream(points.device).cuda_stream)
     return wsum
 
 
