@@ -39,7 +39,7 @@ DEFAULT: Dict[str, Any] = {
 }
 
 GENERATORS = {"synthetic": D.synthetic, "logistic_truth": D.logistic_truth, "least_squares": D.least_squares,
-              "two_groups": D.two_groups, "contexts": D.contexts}
+              "two_groups": D.two_groups, "contexts": D.contexts, "mnist": D.mnist, "digits": D.digits}
 
 
 def load(path: Optional[str]) -> Dict[str, Any]:
@@ -92,6 +92,10 @@ def build_model(spec: Dict[str, Any], fed):
     spec = dict(spec or {})
     family = spec.pop("family", "softmax")
     p = fed.num_features
+    if family == "mlp":  # torch nets: [model] family = "mlp", hidden = [100], l2 = ...
+        return M.MLP(p, spec.pop("hidden", 100), fed.num_classes, **spec)
+    if family == "cnn":  # channels, kernel_size, padding, pool, hidden, image_shape, l2
+        return M.CNN(p, fed.num_classes, **spec)
     if "fit_intercept" not in spec and "model" in fed.meta:  # follow the generator's truth layout
         spec["fit_intercept"] = "fit_intercept=False" not in fed.meta["model"]
     if family == "softmax":
@@ -100,11 +104,12 @@ def build_model(spec: Dict[str, Any], fed):
         return M.Logistic(p, **spec)
     if family == "least_squares":
         return M.LeastSquares(p, **spec)
-    raise ValueError(f"model.family: expected softmax, logistic or least_squares, got {family!r}")
+    raise ValueError(f"model.family: expected softmax, logistic, least_squares, mlp or cnn, got {family!r}")
 
 
 def build_algorithm(label: str, spec: Dict[str, Any], fed, model):
     spec = dict(spec)
+    spec.pop("model", None)  # an algorithm's own [algorithms.X.model] (see run_experiment)
     kind = str(spec.pop("type", label)).lower().replace("-", "").replace("_", "")
     if kind not in A.REGISTRY:
         raise ValueError(f"algorithms.{label}.type: unknown algorithm {kind!r}; known: {sorted(A.REGISTRY)}")
@@ -153,7 +158,8 @@ def run_experiment(cfg: Dict[str, Any], *, only: Optional[List[str]] = None, pro
             finals = {k: [] for k in metrics}
             for seed in seeds:
                 fed = build_federation(point_cfg["data"], seed)
-                model = build_model(point_cfg.get("model"), fed)
+                # [algorithms.X.model] overrides [model], so one file can compare method × model
+                model = build_model(point_cfg["algorithms"][label].get("model") or point_cfg.get("model"), fed)
                 alg = build_algorithm(label, point_cfg["algorithms"][label], fed, model)
                 res = run(alg, fed, model, rounds=point_cfg["rounds"], clients_per_round=point_cfg.get("clients_per_round"),
                           seed=seed, eval_every=point_cfg.get("eval_every", 1), progress=progress)

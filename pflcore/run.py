@@ -12,6 +12,7 @@ from pflcore import ops
 from pflcore.algorithms.base import Algorithm, Context, state_tensors
 from pflcore.data.federation import Federation
 from pflcore.models.glm import GLM
+from pflcore.models.nets import TorchNet
 from pflcore.ops._checks import NonFiniteError
 from pflcore.result import Result
 
@@ -23,8 +24,8 @@ class DivergenceError(RuntimeError):
 def global_optimum(fed: Federation, model: GLM):
     """(min_w F(w), argmin) of F = Σ p_i f_i when it can be found exactly, else None: least squares
     by the normal equations, logistic regression by Newton's method (float64)."""
-    if model.family not in ("least_squares", "logistic"):
-        return None
+    if not isinstance(model, GLM) or model.family not in ("least_squares", "logistic"):
+        return None  # torch nets: non-convex, no exact optimum
     X, y = fed.train.x.double(), fed.train.y.double()
     if model.fit_intercept:
         X = torch.cat([X, torch.ones(X.shape[0], 1, dtype=X.dtype, device=X.device)], 1)
@@ -132,8 +133,8 @@ def _validate(algorithm, federation, model, rounds, clients_per_round, eval_ever
         raise ValueError(f"algorithm: expected a pflcore.algorithms algorithm, got {type(algorithm).__name__}")
     if not isinstance(federation, Federation):
         raise ValueError(f"federation: expected a pflcore.data.Federation, got {type(federation).__name__}")
-    if not isinstance(model, GLM):
-        raise ValueError(f"model: expected a pflcore.models model, got {type(model).__name__}")
+    if not isinstance(model, (GLM, TorchNet)):
+        raise ValueError(f"model: expected a pflcore.models model (a GLM or a torch net), got {type(model).__name__}")
     if federation.num_features != model.p:
         raise ValueError(f"model: expects p = {model.p} features, the federation has {federation.num_features}")
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:

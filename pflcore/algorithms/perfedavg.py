@@ -16,6 +16,7 @@ import torch
 from pflcore import ops
 from pflcore.algorithms.base import Algorithm, Context, count_int, positive
 from pflcore.models.glm import GLM
+from pflcore.ops import _nets
 
 
 def glm_hvp(model: GLM, theta: torch.Tensor, v: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
@@ -81,7 +82,8 @@ class PerFedAvg(Algorithm):
             tmp = W - self.alpha * ops.gradients(ctx.model, W, ctx.train, rows=S, batches=D)
             g = ops.gradients(ctx.model, tmp, ctx.train, rows=S, batches=D2)
             if self.variant == "HF":
-                g = g - self.alpha * glm_hvp(ctx.model, W, g, ctx.train.x, ctx.train.y, D3)
+                hvp = _nets.hvp if _nets.is_net(ctx.model) else glm_hvp  # nets: exact, by torch.func
+                g = g - self.alpha * hvp(ctx.model, W, g, ctx.train.x, ctx.train.y, D3)
             W = W - self.beta * g
         state.w = ops.average(W.contiguous(), ctx.weights[S])
         state.personal = self._personalize(state.w, ctx)

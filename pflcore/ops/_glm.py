@@ -8,15 +8,16 @@ import torch
 
 from pflcore.data.client_data import ClientData
 from pflcore.models.glm import GLM
+from pflcore.models.nets import TorchNet
 from pflcore.ops._checks import (as_tensor, check_device, check_finite, check_float, check_shape,
                                  cpu_numpy, index_tensor)
 
 
 def validate(model, theta, data, rows) -> Tuple[torch.Tensor, bool, torch.Tensor]:
     """Checks the common arguments; returns (theta tensor, theta came from numpy, rows [R])."""
-    if not isinstance(model, GLM):
+    if not isinstance(model, (GLM, TorchNet)):  # torch nets share these checks (ops/_nets.py)
         raise ValueError(f"model: expected a GLM from pflcore.models (LeastSquares, Logistic, "
-                         f"Softmax), got {type(model).__name__}")
+                         f"Softmax) or a torch net (MLP, CNN), got {type(model).__name__}")
     if not isinstance(data, ClientData):
         raise ValueError(f"data: expected a pflcore.ClientData, got {type(data).__name__}")
     if data.num_features != model.p:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from pflcore import backend
-from pflcore.ops import _glm
+from pflcore.ops import _cuda, _glm, _nets
 from pflcore.ops._checks import as_tensor, check_device, check_dtype, check_shape, cpu_numpy, out_like
 
 
@@ -25,12 +25,23 @@ def _validate_batches(batches, data, rows_t, R):
 
 def gradients(model, theta, data, *, rows=None, batches=None):
     """``[R, d]`` gradients of each row's client objective at ``theta`` [R, d]."""
+    if _nets.is_net(model):  # torch nets (MLP, CNN): torch.func over all rows, no native kernel
+        return _nets.gradients(model, theta, data, rows=rows, batches=batches)
     theta_t, is_np, rows_t = _glm.validate(model, theta, data, rows)
     theta_t = theta_t.contiguous()
     batches_t = _validate_batches(batches, data, rows_t, theta_t.shape[0])
     name, module = backend.select("gradients", theta_t.device)
     if name == "reference":
         out = gradients_ref(model, theta_t, data, rows=rows_t, batches=batches_t)
+    elif name == "triton":
+        out = torch.empty_like(theta_t)
+        module.gradients(model, theta_t, data, rows_t, batches_t, out)
+    elif name == "cuda":
+        out = torch.empty_like(theta_t)
+        with torch.cuda.device(theta_t.device):
+            module.gradients(*_cuda.glm_args(model, theta_t, data, rows_t), _cuda.ptr(batches_t),
+                             0 if batches_t is None else batches_t.shape[1], _cuda.ptr(out),
+                             _cuda.dtype_name(theta_t), _cuda.stream(theta_t))
     else:
         out = torch.empty_like(theta_t)
         module.gradients(*_glm.native_args(model, theta_t, data, rows_t),
@@ -40,6 +51,8 @@ def gradients(model, theta, data, *, rows=None, batches=None):
 
 def gradients_ref(model, theta, data, *, rows=None, batches=None):
     """Pure-torch reference of ``gradients`` (a loop over model rows)."""
+    if _nets.is_net(model):
+        return _nets.gradients_ref(model, theta, data, rows=rows, batches=batches)
     theta_t, is_np = as_tensor(theta, "theta")
     R = theta_t.shape[0]
     rows_t = torch.arange(R) if rows is None else as_tensor(rows, "rows")[0]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from pflcore import backend
-from pflcore.ops import _glm
+from pflcore.ops import _cuda, _glm, _nets
 from pflcore.ops._checks import (as_tensor, check_contiguous, check_device, check_dtype, check_finite,
                                  check_float, check_positive_int, check_real, check_shape, cpu_numpy,
                                  out_like)
@@ -67,12 +67,23 @@ def local_steps(model, theta, data, *, steps, lr, prox=0.0, anchor=None, batches
     numpy in, numpy out (the same array, updated). Read-only inputs that are not contiguous
     are copied; theta must be contiguous.
     """
+    if _nets.is_net(model):  # torch nets (MLP, CNN): torch.func over all rows, no native kernel
+        return _nets.local_steps(model, theta, data, steps=steps, lr=lr, prox=prox, anchor=anchor,
+                                 batches=batches, rows=rows, grad_scale=grad_scale)
     (theta_t, is_np, rows_t, steps, lr, prox, anchor_t, batches_t,
      grad_scale_t) = _validate(model, theta, data, steps, lr, prox, anchor, batches, rows, grad_scale)
     name, module = backend.select("local_steps", theta_t.device)
     if name == "reference":
         local_steps_ref(model, theta_t, data, steps=steps, lr=lr, prox=prox, anchor=anchor_t,
                         batches=batches_t, rows=rows_t, grad_scale=grad_scale_t)
+    elif name == "triton":
+        module.local_steps(model, theta_t, data, rows_t, batches_t, anchor_t, grad_scale_t, steps, lr, prox)
+    elif name == "cuda":
+        with torch.cuda.device(theta_t.device):
+            module.local_steps(*_cuda.glm_args(model, theta_t, data, rows_t), _cuda.ptr(batches_t),
+                               0 if batches_t is None else batches_t.shape[2], _cuda.ptr(anchor_t),
+                               anchor_t is not None and anchor_t.dim() == 1, _cuda.ptr(grad_scale_t), steps, lr,
+                               prox, _cuda.dtype_name(theta_t), _cuda.stream(theta_t))
     else:
         opt = lambda t: None if t is None else cpu_numpy(t)  # noqa: E731
         module.local_steps(*_glm.native_args(model, theta_t, data, rows_t), opt(batches_t),
@@ -83,6 +94,9 @@ def local_steps(model, theta, data, *, steps, lr, prox=0.0, anchor=None, batches
 def local_steps_ref(model, theta, data, *, steps, lr, prox=0.0, anchor=None, batches=None, rows=None,
                     grad_scale=None):
     """Pure-torch reference of ``local_steps``: a loop over model rows (clear, not fast)."""
+    if _nets.is_net(model):
+        return _nets.local_steps_ref(model, theta, data, steps=steps, lr=lr, prox=prox, anchor=anchor,
+                                     batches=batches, rows=rows, grad_scale=grad_scale)
     theta_t, is_np = as_tensor(theta, "theta")
     R = theta_t.shape[0]
     rows_t = torch.arange(R) if rows is None else as_tensor(rows, "rows")[0]
