@@ -3,8 +3,9 @@ from pflcore.data.client_data import ClientData
 from pflcore.data.federation import Federation
 from pflcore.data.generators import contexts, least_squares, logistic_truth, synthetic, two_groups
 from pflcore.data.partition import partition, partition_to_client_data
+from pflcore.data.real import digits, mnist, read_idx, read_mnist
 
 __all__ = [
     "ClientData", "Federation", "contexts", "least_squares", "logistic_truth", "partition", "partition_to_client_data",
-    "synthetic", "two_groups",
+    "synthetic", "two_groups", "digits", "mnist", "read_idx", "read_mnist",
 ]
