@@ -1,0 +1,75 @@
+"""Ditto (Li, Hu, Beirami, Smith, "Ditto: Fair and Robust Federated Learning Through
+Personalization", ICML 2021, Alg. 1; the baseline of the CGPFL paper).
+
+Round t: the server sends w to the sampled clients S. Each client i ∈ S
+
+    global part:   w_i ← w, then K steps      w_i ← w_i − η ∇f_i(w_i; D)
+    personal part: warm start from its v_i, s steps
+                                   v_i ← v_i − η_v (∇f_i(v_i; D') + λ (v_i − w))
+
+(the anchor of the prox is the w the client received, as in the paper), and the server sets
+w ← Σ_{i∈S} p_i w_i (p renormalized over S). Both parts are one ``ops.local_steps`` call for
+all of S (the personal one with prox = λ, anchor = w); the global part is exactly FedAvg's
+round, so Ditto's w follows FedAvg's bitwise. Personalized models are v (a client never
+sampled keeps its initial v); the global model is w. λ → 0 gives local training of v, λ → ∞
+pins v to w.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from pflcore import ops
+from pflcore.algorithms.base import Algorithm, Context, count_int, positive
+
+
+@dataclass
+class DittoState:
+    w: torch.Tensor  # [d] global model
+    v: torch.Tensor  # [m, d] personal models
+
+
+class Ditto(Algorithm):
+    name = "Ditto"
+
+    def __init__(self, lam: float, lr: float, local_steps: int = 1, personal_lr: Optional[float] = None,
+                 personal_steps: Optional[int] = None, batch_size: Optional[int] = None):
+        n = self.name
+        self.lam = positive(lam, "lam", n, allow_zero=True)
+        self.lr = positive(lr, "lr", n)
+        self.local_steps = count_int(local_steps, "local_steps", n)
+        self.personal_lr = self.lr if personal_lr is None else positive(personal_lr, "personal_lr", n)
+        self.personal_steps = self.local_steps if personal_steps is None else count_int(
+            personal_steps, "personal_steps", n)
+        self.batch_size = None if batch_size is None else count_int(batch_size, "batch_size", n)
+        if self.personal_lr * self.lam >= 2:
+            # The prox part of a personal step multiplies v − w by (1 − η_v λ): |1 − η_v λ| < 1 needs η_v λ < 2.
+            raise ValueError(f"{n}: personal_lr·lam must be < 2, or the personal steps overshoot and diverge "
+                             f"(got personal_lr = {self.personal_lr!r}, lam = {lam!r}; "
+                             f"personal_lr = 1/lam pins v to w for large lam)")
+
+    def init(self, ctx: Context) -> DittoState:
+        return DittoState(ctx.initial_global(), ctx.initial_models(ctx.m))
+
+    def round(self, state: DittoState, ctx: Context, t: int) -> DittoState:
+        S = ctx.sample_clients(t)
+        n = S.numel()
+        W = state.w.expand(n, ctx.d).contiguous()
+        b = None if self.batch_size is None else ctx.batches(t, 0, S, self.local_steps, self.batch_size)
+        ops.local_steps(ctx.model, W, ctx.train, steps=self.local_steps, lr=self.lr, rows=S, batches=b)
+        V = state.v[S].contiguous()
+        bv = None if self.batch_size is None else ctx.batches(t, 1, S, self.personal_steps, self.batch_size)
+        ops.local_steps(ctx.model, V, ctx.train, steps=self.personal_steps, lr=self.personal_lr, prox=self.lam,
+                        anchor=state.w, rows=S, batches=bv)
+        state.v[S] = V
+        state.w = ops.average(W, ctx.weights[S])
+        ctx.count(n * (self.local_steps + self.personal_steps))
+        return state
+
+    def personalized(self, state: DittoState) -> torch.Tensor:
+        return state.v
+
+    def global_model(self, state: DittoState) -> torch.Tensor:
+        return state.w
