@@ -1,5 +1,9 @@
 """Command line: ``pflcore run [EXPERIMENT.toml] [--algo NAME ...] [key=value ...]`` and
-``pflcore info``."""
+``pflcore info``.
+
+``torchrun --nproc-per-node N -m pflcore run EXPERIMENT.toml`` runs the experiment with the
+clients sharded over N ranks (``pflcore.distributed``): the same numbers, rank 0 prints and
+writes."""
 from __future__ import annotations
 
 import argparse
@@ -29,20 +33,32 @@ def _info(_args) -> int:
 
 
 def _run(args) -> int:
-    from pflcore import experiments
+    from pflcore import distributed, experiments
 
+    comm = distributed.init()  # a torch.distributed group under torchrun, else one process
+    code = _run_experiment(args, experiments, comm)
+    # Only after success: a rank that failed mid-round must not enter a barrier its peers (still
+    # inside another collective) would mistake for theirs; its exit drops their connections.
+    if comm.world > 1:
+        distributed.shutdown()
+    return code
+
+
+def _run_experiment(args, experiments, comm) -> int:
+    say = print if comm.rank == 0 else (lambda *a, **k: None)
     if args.experiment and "=" in args.experiment and not args.experiment.endswith(".toml"):
         args.overrides.insert(0, args.experiment)  # `pflcore run rounds=10`: no file, an override
         args.experiment = None
     cfg = experiments.apply_overrides(experiments.load(args.experiment), args.overrides)
-    print(f"pflcore run: {cfg.get('name', args.experiment)} — {len(cfg.get('algorithms', {}))} algorithm(s), "
-          f"{cfg.get('rounds')} rounds, seeds {cfg.get('seeds', [0])}")
-    summary = experiments.run_experiment(cfg, only=args.algo, progress=not args.no_progress, out=args.out)
+    ranks = f", clients sharded over {comm.world} ranks ({comm.backend})" if comm.world > 1 else ""
+    say(f"pflcore run: {cfg.get('name', args.experiment)} — {len(cfg.get('algorithms', {}))} algorithm(s), "
+        f"{cfg.get('rounds')} rounds, seeds {cfg.get('seeds', [0])}{ranks}")
+    summary = experiments.run_experiment(cfg, only=args.algo, progress=not args.no_progress, out=args.out, log=say)
     metrics = cfg.get("metrics", ["personalized_acc", "global_acc", "stat_error_local", "stat_error_global"])
-    print()
-    print(experiments.format_table(summary["rows"], metrics))
+    say()
+    say(experiments.format_table(summary["rows"], metrics))
     out = args.out or cfg.get("out") or "pflcore_results"
-    print(f"\nwrote {out}/summary.json, per-run JSON and a PNG ({summary['seconds']:.0f} s)")
+    say(f"\nwrote {out}/summary.json, per-run JSON and a PNG ({summary['seconds']:.0f} s)")
     return 0
 
 

@@ -15,6 +15,7 @@ import torch
 
 from pflcore import algorithms as A
 from pflcore import data as D
+from pflcore import distributed
 from pflcore import models as M
 from pflcore.result import finish_axes, plot_matrix, plot_results, pyplot, save_figure
 from pflcore.run import run
@@ -135,10 +136,18 @@ def _summary(values: List[Optional[float]]):
 
 def run_experiment(cfg: Dict[str, Any], *, only: Optional[List[str]] = None, progress: bool = True,
                    out: Optional[str] = None, log=print) -> Dict[str, Any]:
-    """Run every (sweep value, algorithm, seed); returns and writes a summary."""
+    """Run every (sweep value, algorithm, seed); returns and writes a summary.
+
+    Under torchrun (several ranks) every rank runs every (algorithm, seed) on its shard of the
+    clients; the histories are the same on every rank and rank 0 alone logs and writes."""
     cfg = copy.deepcopy(cfg)
     out = out or cfg.get("out") or "pflcore_results"
-    os.makedirs(out, exist_ok=True)
+    comm = distributed.default_comm()
+    writer = comm.rank == 0
+    if not writer:
+        log = lambda *a, **k: None  # noqa: E731
+    if writer:
+        os.makedirs(out, exist_ok=True)
     algos = cfg.get("algorithms") or {}
     if only:
         lower = {k.lower(): k for k in algos}
@@ -167,14 +176,19 @@ def run_experiment(cfg: Dict[str, Any], *, only: Optional[List[str]] = None, pro
                     finals[k].append(res.final(k))
                 tag = label if key is None else f"{label} ({key}={value})"
                 curves.setdefault(tag, res)
-                res.to_json(os.path.join(out, f"{_slug(tag)}_seed{seed}.json"))
-                _plot_state_matrices(res, tag, seed, out, log)
+                if writer:
+                    res.to_json(os.path.join(out, f"{_slug(tag)}_seed{seed}.json"))
+                _plot_state_matrices(res, tag, seed, out, log, comm)
             row = {"algorithm": label, "sweep": value}
             for k in metrics:
                 row[k], row[k + "_std"] = _summary(finals[k])
             rows.append(row)
             log(_row_text(row, metrics, key))
     summary = {"name": cfg.get("name"), "config": cfg, "rows": rows, "seconds": time.perf_counter() - t_start}
+    if comm.world > 1:
+        summary["ranks"] = comm.world
+    if not writer:
+        return summary
     with open(os.path.join(out, "summary.json"), "w") as fh:
         json.dump(summary, fh, indent=1)
     try:
@@ -187,10 +201,15 @@ def run_experiment(cfg: Dict[str, Any], *, only: Optional[List[str]] = None, pro
     return summary
 
 
-def _plot_state_matrices(res, tag: str, seed: int, out: str, log) -> None:
-    """PERM's mixing weights α [m, m] as a heat-map PNG beside the run's JSON."""
+def _plot_state_matrices(res, tag: str, seed: int, out: str, log, comm) -> None:
+    """PERM's mixing weights α [m, m] as a heat-map PNG beside the run's JSON (every rank calls
+    it: a sharded α is gathered, its rows being spread over the ranks)."""
     alpha = getattr(res.state, "alpha", None)
     if not isinstance(alpha, torch.Tensor) or alpha.dim() != 2:
+        return
+    if comm.world > 1:
+        alpha = comm.all_gather_rows(alpha)
+    if comm.rank != 0:
         return
     try:
         plot_matrix(alpha, os.path.join(out, f"{_slug(tag)}_seed{seed}_alpha.png"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -23,6 +23,9 @@ class Result:
     global_model: Optional[torch.Tensor]
     state: Any
     config: Dict[str, Any] = field(default_factory=dict)
+    # Sharded runs: the clients [lo, hi) whose rows ``personalized`` and ``state`` hold on this
+    # rank (None or (0, m): all of them).
+    clients: Optional[Tuple[int, int]] = None
 
     def final(self, key: str, default=None):
         """The last recorded value of a metric."""

@@ -1,14 +1,21 @@
-"""The round loop (DESIGN.md §5): sampling, evaluation, history, checkpoints, progress."""
+"""The round loop (DESIGN.md §5): sampling, evaluation, history, checkpoints, progress.
+
+Sharded runs (``pflcore.distributed``): when torch.distributed is initialized with several
+ranks (or a ``comm`` is passed), every rank calls ``run`` with the same whole federation; each
+keeps its block of clients, the metrics are sums over the ranks (the same history on every
+rank), a divergence on any rank stops every rank in the same round, and each rank writes its
+part of a checkpoint.
+"""
 from __future__ import annotations
 
-import glob
 import os
 import time
 from typing import Callable, Iterable, Optional
 
 import torch
 
-from pflcore import ops
+from pflcore import checkpoint as ckpt
+from pflcore import distributed, ops
 from pflcore.algorithms.base import Algorithm, Context, state_tensors
 from pflcore.data.federation import Federation
 from pflcore.models.glm import GLM
@@ -60,14 +67,28 @@ def heterogeneity(fed: Federation, model: GLM, w_star: torch.Tensor) -> float:
     return float((ops.gradients(model, W, fed.train).double() ** 2).sum(1).mean())
 
 
-def _weighted_stats(correct: torch.Tensor, count: torch.Tensor) -> dict:
+def _client_spread(correct: torch.Tensor, count: torch.Tensor, ctx: Context) -> dict:
+    """Sample-weighted accuracy and the spread of the clients' accuracies (std, 10th percentile)
+    over every rank's clients."""
     acc_i = correct.double() / count.double()
-    return {"acc": float(correct.sum()) / float(count.sum()), "acc_std": float(acc_i.std(unbiased=False)),
-            "acc_p10": float(torch.quantile(acc_i, 0.1))}
+    acc = ctx.sum(float(correct.sum())) / ctx.sum(float(count.sum()))
+    return {"acc": acc, "acc_std": distributed.std(acc_i, ctx.comm),
+            "acc_p10": distributed.quantile(acc_i, 0.1, ctx.comm)}
+
+
+def _ratio(num: torch.Tensor, den: torch.Tensor, ctx: Context) -> float:
+    """Σ num / Σ den over the clients of every rank."""
+    return ctx.sum(float(num.sum())) / ctx.sum(float(den.sum()))
+
+
+def _mean_sq_error(models: torch.Tensor, truth: torch.Tensor, ctx: Context) -> float:
+    """mean over all clients of ‖θ_i − θ*_i‖²."""
+    err = ((models - truth.to(models)) ** 2).sum(1)
+    return float(err.mean()) if not ctx.sharded else ctx.sum(float(err.double().sum())) / ctx.num_clients
 
 
 def evaluate_round(algorithm: Algorithm, state, ctx: Context, t: int) -> dict:
-    """The metrics of DESIGN.md §5 for the current state."""
+    """The metrics of DESIGN.md §5 for the current state (over every rank's clients)."""
     row = {"round": t}
     model, m = ctx.model, ctx.m
     personal = algorithm.personalized(state)
@@ -75,30 +96,31 @@ def evaluate_round(algorithm: Algorithm, state, ctx: Context, t: int) -> dict:
     fed = ctx.federation
     if personal is not None:
         loss, correct, count = ops.evaluate(model, personal.contiguous(), ctx.test)
-        st = _weighted_stats(correct, count)
+        st = _client_spread(correct, count, ctx)
         row.update(personalized_acc=st["acc"], personalized_acc_std=st["acc_std"],
-                   personalized_acc_p10=st["acc_p10"], personalized_loss=float(loss.sum()) / float(count.sum()))
+                   personalized_acc_p10=st["acc_p10"], personalized_loss=_ratio(loss, count, ctx))
         tl, _, tc = ops.evaluate(model, personal.contiguous(), ctx.train)
-        row["train_loss"] = float(tl.sum()) / float(tc.sum())
+        row["train_loss"] = _ratio(tl, tc, ctx)
         if fed.truth is not None and fed.truth.shape == personal.shape:
-            row["stat_error_local"] = float(((personal - fed.truth.to(personal)) ** 2).sum(1).mean())
+            row["stat_error_local"] = _mean_sq_error(personal, fed.truth, ctx)
     if w is not None:
         W = w.expand(m, model.d).contiguous()
         loss, correct, count = ops.evaluate(model, W, ctx.test)
-        st = _weighted_stats(correct, count)
+        st = _client_spread(correct, count, ctx)
         row.update(global_acc=st["acc"], global_acc_std=st["acc_std"], global_acc_p10=st["acc_p10"],
-                   global_loss=float(loss.sum()) / float(count.sum()))
+                   global_loss=_ratio(loss, count, ctx))
         if personal is None:
             tl, _, tc = ops.evaluate(model, W, ctx.train)
-            row["train_loss"] = float(tl.sum()) / float(tc.sum())
+            row["train_loss"] = _ratio(tl, tc, ctx)
             if fed.truth is not None and fed.truth.shape == W.shape:  # every client uses w
-                row["stat_error_local"] = float(((W - fed.truth.to(W)) ** 2).sum(1).mean())
+                row["stat_error_local"] = _mean_sq_error(W, fed.truth, ctx)
         if fed.truth_global is not None and fed.truth_global.shape == w.shape:
             row["stat_error_global"] = float(((w - fed.truth_global.to(w)) ** 2).sum())
     if w is not None and ctx.f_star is not None:
         W = w.expand(m, model.d).contiguous()
         tl, _, tc = ops.evaluate(model, W, ctx.train)
-        F = float((fed.weights.double() * (tl.double() / tc.double())).sum()) + 0.5 * model.l2 * float((w.double() ** 2).sum())
+        F = ctx.sum(float((fed.weights.double() * (tl.double() / tc.double())).sum())) \
+            + 0.5 * model.l2 * float((w.double() ** 2).sum())
         row["optimality_gap"] = F - ctx.f_star
     if not model.is_classifier:  # accuracies are meaningless for regression
         for k in [k for k in row if "acc" in k]:
@@ -117,14 +139,15 @@ def _diverged(algorithm: Algorithm, t: int, what: str, checkpoint: Optional[str]
 
 def _round(algorithm: Algorithm, state, ctx: Context, t: int, checkpoint: Optional[str]):
     """One round; NaN/inf appearing inside it (an op's finiteness check) or in the new state is
-    reported as a divergence of this round."""
+    reported as a divergence of this round (on every rank, when any rank's state has it)."""
     try:
         state = algorithm.round(state, ctx, t)
     except NonFiniteError as exc:
         raise _diverged(algorithm, t, f"an intermediate result has NaN/inf values ({exc})", checkpoint) from exc
-    for name, tensor in state_tensors(state):
-        if not bool(torch.isfinite(tensor).all()):
-            raise _diverged(algorithm, t, f"state.{name} has NaN/inf values", checkpoint)
+    bad = next((name for name, tensor in state_tensors(state) if not bool(torch.isfinite(tensor).all())), None)
+    if ctx.comm.max(0.0 if bad is None else 1.0) > 0:
+        where = f"state.{bad}" if bad is not None else f"the state of another rank (this is rank {ctx.comm.rank})"
+        raise _diverged(algorithm, t, f"{where} has NaN/inf values", checkpoint)
     return state
 
 
@@ -147,58 +170,78 @@ def _validate(algorithm, federation, model, rounds, clients_per_round, eval_ever
         raise ValueError(f"eval_every: expected an integer >= 1, got {eval_every!r}")
 
 
-def _save(checkpoint: str, t: int, algorithm, state, history, config, federation, model) -> None:
-    os.makedirs(checkpoint, exist_ok=True)
-    fed_path = os.path.join(checkpoint, "federation.pt")
-    if not os.path.exists(fed_path):
-        torch.save({"federation": federation, "model": model}, fed_path)
-    tmp = os.path.join(checkpoint, f".round_{t:07d}.pt.tmp")
-    torch.save({"round": t, "algorithm": algorithm, "state": state, "history": history, "config": config}, tmp)
-    os.replace(tmp, os.path.join(checkpoint, f"round_{t:07d}.pt"))  # atomic: never a torn checkpoint
-
-
 def run(algorithm: Algorithm, federation: Federation, model: GLM, *, rounds: int, clients_per_round: Optional[int] = None,
         seed: int = 0, eval_every: int = 1, device="cpu", progress: bool = True, checkpoint: Optional[str] = None,
-        checkpoint_every: Optional[int] = None, callbacks: Iterable[Callable] = (), _resume=None) -> Result:
+        checkpoint_every: Optional[int] = None, callbacks: Iterable[Callable] = (),
+        comm: Optional[distributed.Comm] = None, _resume=None) -> Result:
     """Run ``rounds`` rounds of ``algorithm`` on ``federation`` and record metrics every
     ``eval_every`` rounds (and after the last). ``checkpoint`` (a folder) with
     ``checkpoint_every`` saves the state so that ``resume(folder)`` continues bitwise
-    identically. ``callbacks`` are called as ``cb(round, metrics_row, state)``."""
+    identically. ``callbacks`` are called as ``cb(round, metrics_row, state)``.
+
+    ``comm`` (default: the initialized torch.distributed group if it has several ranks, else
+    one process) shards the clients over the ranks: every rank passes the same whole
+    federation and gets the same history; ``Result.personalized`` and ``Result.state`` hold
+    this rank's clients (``Result.clients``), ``pflcore.distributed.gather_rows`` collects them.
+    """
     _validate(algorithm, federation, model, rounds, clients_per_round, eval_every)
+    comm = distributed.default_comm() if comm is None else comm
     device = torch.device(device)
-    fed = federation if federation.train.device == device else federation.to(device)
-    ctx = Context(fed, model, device, seed, clients_per_round)
-    optimum = global_optimum(fed, model)
-    config = {"algorithm": repr(algorithm), "federation": fed.name, "model": repr(model), "rounds": rounds,
+    if federation.is_shard:
+        raise ValueError("federation: expected the whole federation (every rank passes the same one; run shards "
+                         f"it), got a shard of {federation.num_clients} of {federation.num_clients_total} clients")
+    m = federation.num_clients
+    whole = federation if federation.train.device == device or comm.world > 1 else federation.to(device)
+    optimum = global_optimum(whole, model)
+    config = {"algorithm": repr(algorithm), "federation": whole.name, "model": repr(model), "rounds": rounds,
               "clients_per_round": clients_per_round, "seed": seed, "eval_every": eval_every, "device": str(device),
               "checkpoint_every": checkpoint_every}
     if optimum is not None:
-        ctx.f_star = optimum[0]
         config["f_star"] = optimum[0]
-        config["heterogeneity"] = heterogeneity(fed, model, optimum[1])
+        config["heterogeneity"] = heterogeneity(whole, model, optimum[1])
+    if comm.world > 1:
+        config["ranks"] = comm.world
+        seen = comm.all_gather(torch.tensor([m, federation.train.num_rows], dtype=torch.int64))
+        if any(not torch.equal(s, seen[0]) for s in seen):
+            raise ValueError(f"federation: every rank must pass the same federation; (clients, rows) per rank: "
+                             f"{[s.tolist() for s in seen]}")
+        ranges = [distributed.shard_range(m, comm.world, r) for r in range(comm.world)]
+        lo, hi = ranges[comm.rank]
+        fed = whole.shard(lo, hi)
+        fed = fed if fed.train.device == device else fed.to(device)
+    else:
+        lo, hi, ranges, fed = 0, m, [(0, m)], whole
+    ctx = Context(fed, model, device, seed, clients_per_round, comm=comm)
+    if optimum is not None:
+        ctx.f_star = optimum[0]
     if _resume is None:
         state, history, start = algorithm.init(ctx), [], 0
         history.append({**evaluate_round(algorithm, state, ctx, 0), "seconds": 0.0, "client_steps_per_s": None})
     else:
         state, history, start = _resume["state"], _resume["history"], _resume["round"]
     bar = None
-    if progress:
+    if progress and comm.rank == 0:
         try:
             from tqdm.auto import tqdm
             bar = tqdm(total=rounds, initial=start, desc=algorithm.name, leave=False, dynamic_ncols=True)
         except ImportError:  # pragma: no cover - tqdm is a dependency
             bar = None
-    elapsed, steps0 = 0.0, ctx.client_steps
+    elapsed, steps0, bytes0 = 0.0, ctx.client_steps, comm.bytes_sent
     for t in range(start + 1, rounds + 1):
         t0 = time.perf_counter()
         state = _round(algorithm, state, ctx, t, checkpoint)
         elapsed += time.perf_counter() - t0
         if t % eval_every == 0 or t == rounds:
+            sent = comm.bytes_sent - bytes0  # the rounds' traffic only, not the metrics'
             row = evaluate_round(algorithm, state, ctx, t)
-            row["seconds"] = elapsed / max(1, t - (history[-1]["round"] if history else 0))
-            row["client_steps_per_s"] = (ctx.client_steps - steps0) / elapsed if elapsed > 0 else None
+            done = t - (history[-1]["round"] if history else 0)
+            slowest = comm.max(elapsed)  # a sharded round lasts as long as its slowest rank
+            row["seconds"] = slowest / max(1, done)
+            row["client_steps_per_s"] = ctx.sum(ctx.client_steps - steps0) / slowest if slowest > 0 else None
+            if comm.world > 1:
+                row["bytes_sent_per_round"] = sent / max(1, done)  # by this rank, in collectives
             history.append(row)
-            elapsed, steps0 = 0.0, ctx.client_steps
+            elapsed, steps0, bytes0 = 0.0, ctx.client_steps, comm.bytes_sent
             for cb in callbacks:
                 cb(t, row, state)
             if bar is not None:
@@ -206,30 +249,32 @@ def run(algorithm: Algorithm, federation: Federation, model: GLM, *, rounds: int
                 bar.set_postfix_str(("acc %.4f " % acc if acc is not None else "")
                                     + "steps/s %.3g" % (row["client_steps_per_s"] or 0))
         if checkpoint and checkpoint_every and (t % checkpoint_every == 0 or t == rounds):
-            _save(checkpoint, t, algorithm, state, history, config, federation, model)
+            ckpt.save(checkpoint, t, algorithm, state, history, config, federation, model, comm, (lo, hi), ranges)
         if bar is not None:
             bar.update(1)
     if bar is not None:
         bar.close()
     personal, w = algorithm.personalized(state), algorithm.global_model(state)
     return Result(algorithm.name, history, None if personal is None else personal.clone(),
-                  None if w is None else w.clone(), state, config)
+                  None if w is None else w.clone(), state, config, clients=(lo, hi))
 
 
-def resume(checkpoint: str, *, rounds: Optional[int] = None, progress: bool = True, callbacks=()) -> Result:
-    """Continue the run saved in ``checkpoint`` from its latest round (to ``rounds`` in total,
-    default the original number). The result equals the uninterrupted run's bitwise (but the
-    timing columns)."""
-    files = sorted(glob.glob(os.path.join(checkpoint, "round_*.pt")))
-    if not files:
-        raise ValueError(f"checkpoint: no round_*.pt files in {checkpoint!r}")
-    saved = torch.load(files[-1], weights_only=False)
+def resume(checkpoint: str, *, rounds: Optional[int] = None, progress: bool = True, callbacks=(),
+           comm: Optional[distributed.Comm] = None) -> Result:
+    """Continue the run saved in ``checkpoint`` from its latest complete round (to ``rounds`` in
+    total, default the original number), on this process or on the ranks of ``comm`` (default
+    as in ``run``) whatever the number of ranks that wrote it. The result equals the
+    uninterrupted run's bitwise (but the timing columns) when the number of ranks is the same."""
+    comm = distributed.default_comm() if comm is None else comm
     base = torch.load(os.path.join(checkpoint, "federation.pt"), weights_only=False)
+    m = base["federation"].num_clients
+    lo, hi = distributed.shard_range(m, comm.world, comm.rank) if comm.world > 1 else (0, m)
+    saved = ckpt.load(checkpoint, lo, hi)
     cfg = saved["config"]
     return run(saved["algorithm"], base["federation"], base["model"], rounds=rounds or cfg["rounds"],
                clients_per_round=cfg["clients_per_round"], seed=cfg["seed"], eval_every=cfg["eval_every"],
                device=cfg["device"], progress=progress, checkpoint=checkpoint, checkpoint_every=cfg["checkpoint_every"],
-               callbacks=callbacks, _resume=saved)
+               callbacks=callbacks, comm=comm, _resume=saved)
 
 
 __all__ = ["run", "resume", "DivergenceError", "evaluate_round"]

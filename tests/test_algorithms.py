@@ -6,7 +6,7 @@ import torch
 
 import pflcore
 from pflcore import algorithms as A
-from pflcore import data, models
+from pflcore import ClientData, data, models
 
 
 def _ls_federation(seed=0):
@@ -161,3 +161,44 @@ def test_pfedme_switches_train_all_and_personal_eval():
     local_eval = A.PFedMe(lam=15, lr=0.01, personal_lr=0.05, personal_eval="local")
     assert local_eval.personalized(state_all) is state_all.w_local
     assert every.personalized(state_all) is state_all.theta
+
+
+@pytest.mark.parametrize("make", [
+    lambda: A.FedAvg(lr=0.1, local_steps=3),
+    lambda: A.LocalizedFedAvg(lr=0.1, local_steps=2, finetune_steps=2),
+    lambda: A.Ditto(lam=0.5, lr=0.1, local_steps=2),
+    lambda: A.APFL(alpha=0.3, lr=0.1, local_steps=2),
+    lambda: A.PERM(warmup_rounds=1, lam_alpha=10.0, lr=0.05, local_steps=2),
+], ids=["FedAvg", "LocalizedFedAvg", "Ditto", "APFL", "PERM"])
+def test_one_client_trains_like_two_identical_clients(make):
+    """Averaging two equal rows is exact, so a federation of one client must train exactly like
+    one of two copies of it (full-batch algorithms: minibatches are drawn per client id). A
+    round with one participant once made the server model share memory with that client's
+    copy, ``w.expand(1, d).contiguous()`` being a view, so its local steps moved the server
+    model itself."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(30, 4, generator=g), torch.randint(0, 3, (30,), generator=g)
+    xt, yt = torch.randn(10, 4, generator=g), torch.randint(0, 3, (10,), generator=g)
+
+    def fed(copies):
+        train = ClientData.from_clients([x] * copies, [y] * copies)
+        test = ClientData.from_clients([xt] * copies, [yt] * copies)
+        return data.Federation(train, test, 3)
+
+    model = models.Softmax(4, 3)
+    one = pflcore.run(make(), fed(1), model, rounds=3, progress=False)
+    two = pflcore.run(make(), fed(2), model, rounds=3, progress=False)
+    if one.global_model is not None:
+        assert torch.equal(one.global_model, two.global_model)
+    if one.personalized is not None:
+        assert torch.equal(one.personalized[0], two.personalized[0])
+
+
+def test_pfedme_with_one_client_mixes_the_old_global_model():
+    """β = 1/2 and one client: w₁ = ½·w₀ + ½·w_local with w₀ = 0, exactly (not w_local, which is
+    what a server model aliased by the client's copy gave)."""
+    fed = data.synthetic(0.5, 0.5, num_clients=1, dim=4, num_classes=3, seed=0, size_scale=1, max_size=50)
+    alg = A.PFedMe(lam=15, lr=0.01, personal_lr=0.05, inner_steps=3, local_rounds=2, beta=0.5, batch_size=5)
+    res = pflcore.run(alg, fed, models.Softmax(4, 3), rounds=1, progress=False)
+    assert bool(res.state.w_local.abs().sum() > 0)
+    assert torch.equal(res.global_model, 0.5 * res.state.w_local[0])

@@ -1,7 +1,13 @@
 """Anderson acceleration of any fixed-point algorithm (the unifying paper, §4.2): the server
 treats one round as a map u ← T(u) on the algorithm's fixed-point state and replaces T(u) by the
 Anderson (type II) mixture of the last ``memory`` + 1 pairs, through ``ops.Anderson``. It needs
-no extra communication: u and T(u) already live on the server."""
+no extra communication: u and T(u) already live on the server.
+
+Sharded runs: a server model (FedAvg, pFedMe) is the same on every rank, and so is every
+Anderson step. A per-client fixed point (the grand scheme's u [m, d]) is split over the ranks
+with its clients: each rank keeps the history of its rows, and the k dot products of the new
+Gram column are summed over the ranks (one all-reduce of k float64) before the small solve,
+so every rank mixes with the same weights."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,6 +24,7 @@ class AcceleratedState:
     inner: Any               # the wrapped algorithm's state
     anderson: ops.Anderson   # the mixer with its history (saved with checkpoints)
     residual: float = float("nan")
+    per_client: bool = False  # the fixed point (and so the history) is per client: split with the clients
 
 
 class Accelerated(Algorithm):
@@ -31,15 +38,22 @@ class Accelerated(Algorithm):
         self.name = f"{algorithm.name}+Anderson"
 
     def init(self, ctx: Context) -> AcceleratedState:
-        return AcceleratedState(self.algorithm.init(ctx), ops.Anderson(self.memory, self.reg, self.safeguard))
+        return AcceleratedState(self.algorithm.init(ctx), ops.Anderson(self.memory, self.reg, self.safeguard),
+                                per_client=self._per_client)
+
+    @property
+    def _per_client(self) -> bool:
+        return bool(getattr(self.algorithm, "fixed_point_per_client", False))
 
     def round(self, state: AcceleratedState, ctx: Context, t: int) -> AcceleratedState:
         alg = self.algorithm
         u = alg.fixed_point(state.inner).clone()
         state.inner = alg.round(state.inner, ctx, t)
         tu = alg.fixed_point(state.inner)
-        state.residual = float((tu - u).norm())
-        state.inner = alg.set_fixed_point(state.inner, state.anderson.step(u, tu))
+        sharded = ctx.sharded and self._per_client
+        state.residual = ctx.norm(tu - u) if sharded else float((tu - u).norm())
+        reduce = ctx.comm.all_reduce if sharded else None  # the Gram column's dots over all ranks
+        state.inner = alg.set_fixed_point(state.inner, state.anderson.step(u, tu, reduce=reduce))
         return state
 
     def personalized(self, state: AcceleratedState) -> Optional[torch.Tensor]:

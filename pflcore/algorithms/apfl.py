@@ -28,14 +28,14 @@ from typing import Optional
 import torch
 
 from pflcore import ops
-from pflcore.algorithms.base import Algorithm, Context, count_int, positive
+from pflcore.algorithms.base import Algorithm, Context, count_int, per_client, positive, replicate
 
 
 @dataclass
 class APFLState:
     w: torch.Tensor      # [d] global model
-    v: torch.Tensor      # [m, d] local models v_i
-    alpha: torch.Tensor  # [m] mixing weights α_i ∈ [0, 1] (dtype of the data)
+    v: torch.Tensor = per_client()      # [m, d] local models v_i
+    alpha: torch.Tensor = per_client()  # [m] mixing weights α_i ∈ [0, 1] (dtype of the data)
 
 
 class APFL(Algorithm):
@@ -60,7 +60,7 @@ class APFL(Algorithm):
     def round(self, state: APFLState, ctx: Context, t: int) -> APFLState:
         S = ctx.sample_clients(t)
         n = S.numel()
-        W = state.w.expand(n, ctx.d).contiguous()
+        W = replicate(state.w, n)
         V = state.v[S].contiguous()
         a = state.alpha[S].clone()                      # [S]
         b = None if self.batch_size is None else ctx.batches(t, 0, S, self.local_steps, self.batch_size)
@@ -79,7 +79,7 @@ class APFL(Algorithm):
                     a = (a - self.alpha_lr * da).clamp_(0.0, 1.0)
         state.v[S] = V
         state.alpha[S] = a
-        state.w = ops.average(W, ctx.weights[S])
+        state.w = ctx.average(W, ctx.weights[S])
         ctx.count(n * self.local_steps)
         return state
 

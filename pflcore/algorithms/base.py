@@ -2,6 +2,14 @@
 
 An algorithm holds only its hyperparameters; every tensor lives in its ``state`` (a dataclass
 that ``torch.save`` can write and read back), so a checkpoint restores a run exactly.
+
+Sharding (``pflcore.distributed``): with several ranks, ``ctx.train``/``ctx.test`` hold this
+rank's clients only and every per-client ``[m, d]`` matrix of the state holds their rows; such
+state fields are declared with ``per_client()``. ``ctx.m`` is the number of LOCAL clients (so
+``state.theta[S]`` indexes local rows), ``ctx.num_clients`` the federation's. Server steps go
+through the context: ``ctx.average`` (P_H), ``ctx.sum``, ``ctx.norm``, ``ctx.kmeans``,
+``ctx.cluster_means``. In one process they are exactly the ops (``ops.average``,
+``ops.kmeans`` ...), so a single-process run computes what it always did.
 """
 from __future__ import annotations
 
@@ -11,36 +19,61 @@ from typing import Optional
 
 import torch
 
-from pflcore import ops
+from pflcore import distributed, ops
 from pflcore.data.federation import Federation
 from pflcore.models.glm import GLM
 
 _M32 = 0xFFFFFFFF
 
 
+def replicate(w: torch.Tensor, n: int) -> torch.Tensor:
+    """``[n, d]``: n copies of ``w [d]`` in fresh memory. (``w.expand(n, d).contiguous()`` is no
+    copy when n = 1, a size-1 dimension being contiguous already: steps taken in place on it
+    would move ``w`` itself.)"""
+    return w.unsqueeze(0).repeat(n, 1)
+
+
+def per_client(**kwargs):
+    """A state field whose first dimension runs over the clients: each rank holds its clients'
+    rows, and a checkpoint restored on another number of ranks is re-split along it."""
+    return field(metadata={"per_client": True}, **kwargs)
+
+
 @dataclass
 class Context:
-    """Everything a round needs besides the state: data, model, device, seed, sampling."""
+    """Everything a round needs besides the state: data, model, device, seed, sampling, and
+    (sharded runs) the communicator and this rank's place in the federation."""
 
     federation: Federation
     model: GLM
     device: torch.device
     seed: int = 0
     clients_per_round: Optional[int] = None
-    client_steps: int = 0  # client-steps done so far (for the throughput metric)
+    client_steps: int = 0  # client-steps done so far on this rank (for the throughput metric)
     f_star: Optional[float] = None  # min of Σ p_i f_i when known (least squares), for the optimality gap
+    comm: distributed.Comm = field(default_factory=distributed.Comm)
     train: object = field(init=False)
     test: object = field(init=False)
     weights: torch.Tensor = field(init=False)
+    num_clients: int = field(init=False)  # clients of the whole federation
+    num_rows: int = field(init=False)     # training rows of the whole federation
 
     def __post_init__(self):
         self.train = self.federation.train
         self.test = self.federation.test
         self.weights = self.federation.weights
+        self.num_clients = self.federation.num_clients_total or self.federation.num_clients
+        self.num_rows = self.comm.sum(int(self.train.num_rows))
 
     @property
     def m(self) -> int:
+        """Clients held here (all of them in one process)."""
         return self.federation.num_clients
+
+    @property
+    def first_client(self) -> int:
+        """Global id of local client 0."""
+        return self.train.first_client
 
     @property
     def d(self) -> int:
@@ -60,13 +93,18 @@ class Context:
         return self.initial_models(1)[0].clone()
 
     def sample_clients(self, t: int) -> torch.Tensor:
-        """``int64 [S]`` sorted ids of the clients of round t, drawn from a generator keyed by
-        (seed, t) alone, so a resumed or sharded run draws the same clients."""
-        if self.clients_per_round is None or self.clients_per_round >= self.m:
+        """``int64 [S]`` sorted LOCAL indices of this rank's clients among those of round t. The
+        draw over all ``num_clients`` comes from a generator keyed by (seed, t) alone, so a
+        resumed or sharded run draws the same clients."""
+        n = self.num_clients
+        if self.clients_per_round is None or self.clients_per_round >= n:
             return torch.arange(self.m, device=self.device)
         g = torch.Generator().manual_seed((self.seed * 1_000_003 + t * 7919 + 17) & 0x7FFFFFFFFFFFFFFF)
-        chosen = torch.randperm(self.m, generator=g)[: self.clients_per_round]
-        return chosen.sort().values.to(self.device)
+        chosen = torch.randperm(n, generator=g)[: self.clients_per_round].sort().values
+        if self.m != n:  # keep this rank's clients, as local indices
+            lo = self.first_client
+            chosen = chosen[(chosen >= lo) & (chosen < lo + self.m)] - lo
+        return chosen.to(self.device)
 
     def batches(self, t: int, stream: int, clients: torch.Tensor, steps: int, batch_size: int) -> torch.Tensor:
         """``int32 [S, steps, B]`` minibatches for round t; ``stream`` separates independent
@@ -79,6 +117,55 @@ class Context:
 
     def count(self, client_steps: int) -> None:
         self.client_steps += int(client_steps)
+
+    # ---- server steps (collectives when sharded) ------------------------------------------
+
+    @property
+    def sharded(self) -> bool:
+        return self.comm.world > 1
+
+    def average(self, theta: torch.Tensor, weights: torch.Tensor, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``[d]`` P_H: Σ w_r θ_r / Σ w_r over ``rows`` of ``theta [R, d]`` on every rank (``ops.average``
+        in one process; sharded: one all-reduce of the float64 weighted sum and weight, so a
+        rank with no rows takes part with zeros)."""
+        if not self.sharded:
+            return ops.average(theta, weights, rows)
+        if rows is not None:
+            theta, weights = theta[rows], weights[rows]
+        d = theta.shape[1]
+        acc = torch.zeros(d + 1, dtype=torch.float64, device=theta.device)
+        if theta.shape[0]:
+            w64 = weights.to(torch.float64)
+            acc[:d] = w64 @ theta.to(torch.float64)
+            acc[d] = w64.sum()
+        self.comm.all_reduce(acc)
+        if not float(acc[d]) > 0:
+            raise ValueError("weights: the weights of the averaged rows sum to 0 (over all ranks)")
+        return (acc[:d] / acc[d]).to(theta.dtype)
+
+    def sum(self, value):
+        """Sum over ranks (identity in one process) of a number or tensor."""
+        return self.comm.sum(value)
+
+    def norm(self, x: torch.Tensor) -> float:
+        """Frobenius norm of a per-client matrix whose rows are spread over the ranks."""
+        if not self.sharded:
+            return float(x.norm())
+        return math.sqrt(self.comm.sum(float((x.to(torch.float64) ** 2).sum())))
+
+    def count_total(self, n: int) -> int:
+        """Σ over ranks of a local count (e.g. the sampled clients of a round)."""
+        return self.comm.sum(int(n))
+
+    def kmeans(self, points: torch.Tensor, k: Optional[int] = None, **kwargs) -> "ops.KMeans":
+        """``ops.kmeans`` over the points of every rank (labels of the local points)."""
+        return distributed.kmeans(points, k, comm=self.comm, **kwargs)
+
+    def cluster_means(self, points: torch.Tensor, labels: torch.Tensor, weights: Optional[torch.Tensor],
+                      centroids: torch.Tensor) -> torch.Tensor:
+        """``centroids`` ← weighted cluster means over every rank's points, in place (empty
+        clusters keep theirs); returns the clusters' float64 weights."""
+        return distributed.cluster_means(points, labels, weights, centroids, self.comm)
 
 
 class Algorithm:
@@ -112,7 +199,9 @@ class Algorithm:
 
 class ServerModelFixedPoint:
     """For algorithms whose fixed-point state (what ``Accelerated`` mixes) is the server model
-    ``state.w``."""
+    ``state.w`` (the same on every rank of a sharded run)."""
+
+    fixed_point_per_client = False
 
     def fixed_point(self, state) -> torch.Tensor:
         return state.w

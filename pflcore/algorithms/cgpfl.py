@@ -27,6 +27,10 @@ CGPFL-Heur chooses K once, at the first round, minimizing over K = 1..max_contex
 with N_s the number of training samples and cost(K) the p-weighted mean squared distance of
 the personalized models θ_i to their nearest of K k-means centres (the inner objective of
 the paper's eq. (2) at the first round's θ).
+
+Sharded runs: the clustering is ``ctx.kmeans`` (Lloyd over every rank's ω̃ with all-reduced
+cluster sums) and the context means ``ctx.cluster_means``; Ω and e(K) are the same on every
+rank.
 """
 from __future__ import annotations
 
@@ -37,16 +41,15 @@ from typing import List, Optional
 import torch
 
 from pflcore import ops
-from pflcore.algorithms.base import Algorithm, Context, count_int, positive
-from pflcore.ops.kmeans import _update as _cluster_means
+from pflcore.algorithms.base import Algorithm, Context, count_int, per_client, positive
 
 
 @dataclass
 class CGPFLState:
     contexts: torch.Tensor      # [K, d] context models Ω
-    labels: torch.Tensor        # int64 [m] context of each client (its last clustering)
-    omega_local: torch.Tensor   # [m, d] ω̃_i each client uploaded last
-    theta: torch.Tensor         # [m, d] personalized models θ_i
+    labels: torch.Tensor = per_client()       # int64 [m] context of each client (its last clustering)
+    omega_local: torch.Tensor = per_client()  # [m, d] ω̃_i each client uploaded last
+    theta: torch.Tensor = per_client()        # [m, d] personalized models θ_i
     clustered: bool = False     # False until the first clustering (k-means++ seeding)
     e_values: List[float] = field(default_factory=list)  # CGPFL-Heur: e(K) for K = 1..max_contexts
 
@@ -107,11 +110,12 @@ class CGPFL(Algorithm):
         ctx.count(S * self.local_rounds * self.inner_steps)
         return theta, omega
 
-    def _seeded_kmeans(self, points: torch.Tensor, k: int, weights: torch.Tensor, seed: int) -> ops.KMeans:
+    def _seeded_kmeans(self, ctx: Context, points: torch.Tensor, k: int, weights: torch.Tensor,
+                       seed: int) -> ops.KMeans:
         """The best (lowest inertia) of ``restarts`` k-means++ runs."""
         best = None
         for j in range(self.restarts):
-            km = ops.kmeans(points, k, init="k-means++", iters=self.kmeans_iters, weights=weights,
+            km = ctx.kmeans(points, k, init="k-means++", iters=self.kmeans_iters, weights=weights,
                             seed=(seed * 1_000_003 + 7919 * j) & 0x7FFFFFFF)
             if best is None or km.inertia < best.inertia:
                 best = km
@@ -128,19 +132,20 @@ class CGPFL(Algorithm):
         w = ctx.weights[S].to(omega.dtype)
         if not state.clustered:
             K = self._choose_contexts(state, ctx, theta, w, t)
-            if K > S.numel():
+            participants = ctx.count_total(S.numel())
+            if K > participants:
                 raise ValueError(f"{self.name}: {K} contexts need at least {K} participating clients per round, "
-                                 f"got {S.numel()} (clients_per_round)")
-            km = self._seeded_kmeans(omega, K, w, ctx.seed + t)
+                                 f"got {participants} (clients_per_round)")
+            km = self._seeded_kmeans(ctx, omega, K, w, ctx.seed + t)
             previous = state.contexts[:1].expand(K, ctx.d)  # every context starts at the initial point
             state.clustered = True
         else:
-            km = ops.kmeans(omega, init=state.contexts, iters=self.kmeans_iters, weights=w)
+            km = ctx.kmeans(omega, init=state.contexts, iters=self.kmeans_iters, weights=w)
             previous = state.contexts
         # The p-weighted mean of ω̃ per context under the final labels (a context that lost all
         # its clients keeps its model), then Ω moves a fraction α toward it.
         means = previous.clone()
-        _cluster_means(omega, km.labels, w, means)
+        ctx.cluster_means(omega, km.labels, w, means)
         state.contexts = previous + self.alpha * (means - previous)
         state.labels[S] = km.labels
         return state
@@ -173,11 +178,11 @@ class CGPFLHeur(CGPFL):
         return math.sqrt(d * K / n_samples * max(math.log(math.e * n_samples / d), 1.0))
 
     def _choose_contexts(self, state: CGPFLState, ctx: Context, theta, weights, t: int) -> int:
-        n_samples = ctx.train.num_rows
-        total = float(weights.sum())
+        n_samples = ctx.num_rows
+        total = ctx.sum(float(weights.sum()))
         e = []
-        for K in range(1, min(self.max_contexts, theta.shape[0]) + 1):
-            km = self._seeded_kmeans(theta, K, weights, ctx.seed + 31 * K)
+        for K in range(1, min(self.max_contexts, ctx.count_total(theta.shape[0])) + 1):
+            km = self._seeded_kmeans(ctx, theta, K, weights, ctx.seed + 31 * K)
             e.append(self.generalization_term(ctx.d, K, n_samples) + self.mu * km.inertia / total)
         state.e_values = e
         return 1 + min(range(len(e)), key=e.__getitem__)

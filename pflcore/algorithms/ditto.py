@@ -22,13 +22,13 @@ from typing import Optional
 import torch
 
 from pflcore import ops
-from pflcore.algorithms.base import Algorithm, Context, count_int, positive
+from pflcore.algorithms.base import Algorithm, Context, count_int, per_client, positive, replicate
 
 
 @dataclass
 class DittoState:
     w: torch.Tensor  # [d] global model
-    v: torch.Tensor  # [m, d] personal models
+    v: torch.Tensor = per_client()  # [m, d] personal models
 
 
 class Ditto(Algorithm):
@@ -56,7 +56,7 @@ class Ditto(Algorithm):
     def round(self, state: DittoState, ctx: Context, t: int) -> DittoState:
         S = ctx.sample_clients(t)
         n = S.numel()
-        W = state.w.expand(n, ctx.d).contiguous()
+        W = replicate(state.w, n)
         b = None if self.batch_size is None else ctx.batches(t, 0, S, self.local_steps, self.batch_size)
         ops.local_steps(ctx.model, W, ctx.train, steps=self.local_steps, lr=self.lr, rows=S, batches=b)
         V = state.v[S].contiguous()
@@ -64,7 +64,7 @@ class Ditto(Algorithm):
         ops.local_steps(ctx.model, V, ctx.train, steps=self.personal_steps, lr=self.personal_lr, prox=self.lam,
                         anchor=state.w, rows=S, batches=bv)
         state.v[S] = V
-        state.w = ops.average(W, ctx.weights[S])
+        state.w = ctx.average(W, ctx.weights[S])
         ctx.count(n * (self.local_steps + self.personal_steps))
         return state
 

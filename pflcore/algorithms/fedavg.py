@@ -7,12 +7,12 @@ from typing import Optional
 import torch
 
 from pflcore import ops
-from pflcore.algorithms.base import Algorithm, Context, ServerModelFixedPoint, count_int, positive
+from pflcore.algorithms.base import Algorithm, Context, ServerModelFixedPoint, count_int, per_client, positive, replicate
 
 
 @dataclass
 class LocalState:
-    theta: torch.Tensor  # [m, d] one model per client
+    theta: torch.Tensor = per_client()  # [m, d] one model per client
 
 
 class LocalTrain(Algorithm):
@@ -61,10 +61,10 @@ class FedAvg(ServerModelFixedPoint, Algorithm):
 
     def round(self, state: GlobalState, ctx: Context, t: int) -> GlobalState:
         S = ctx.sample_clients(t)
-        theta = state.w.expand(S.numel(), ctx.d).contiguous()
+        theta = replicate(state.w, S.numel())
         b = None if self.batch_size is None else ctx.batches(t, 0, S, self.local_steps, self.batch_size)
         ops.local_steps(ctx.model, theta, ctx.train, steps=self.local_steps, lr=self.lr, rows=S, batches=b)
-        state.w = ops.average(theta, ctx.weights[S])
+        state.w = ctx.average(theta, ctx.weights[S])
         ctx.count(S.numel() * self.local_steps)
         return state
 
@@ -75,7 +75,7 @@ class FedAvg(ServerModelFixedPoint, Algorithm):
 @dataclass
 class LocalizedState:
     w: torch.Tensor      # [d] the global model
-    theta: torch.Tensor  # [m, d] w fine-tuned on each client's training data
+    theta: torch.Tensor = per_client()  # [m, d] w fine-tuned on each client's training data
 
 
 class LocalizedFedAvg(FedAvg):
@@ -96,7 +96,7 @@ class LocalizedFedAvg(FedAvg):
 
     def round(self, state: LocalizedState, ctx: Context, t: int) -> LocalizedState:
         state = super().round(state, ctx, t)
-        state.theta = state.w.expand(ctx.m, ctx.d).contiguous()
+        state.theta = replicate(state.w, ctx.m)
         ops.local_steps(ctx.model, state.theta, ctx.train, steps=self.finetune_steps, lr=self.finetune_lr)
         ctx.count(ctx.m * self.finetune_steps)
         return state

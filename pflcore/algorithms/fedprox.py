@@ -14,12 +14,12 @@ from dataclasses import dataclass
 import torch
 
 from pflcore import ops
-from pflcore.algorithms.base import Algorithm, Context, count_int, positive
+from pflcore.algorithms.base import Algorithm, Context, count_int, per_client, positive
 
 
 @dataclass
 class FedProxState:
-    theta: torch.Tensor  # [m, d] personalized models
+    theta: torch.Tensor = per_client()  # [m, d] personalized models
     w: torch.Tensor      # [d] global model
 
 
@@ -68,7 +68,7 @@ class FedProx(Algorithm):
         ops.local_steps(ctx.model, theta, ctx.train, steps=self.local_steps, lr=self.local_lr, prox=self.lam,
                         anchor=state.w, rows=S)
         state.theta[S] = theta
-        state.w = state.w - self.global_lr * self.lam * (state.w - ops.average(theta, ctx.weights[S]))
+        state.w = state.w - self.global_lr * self.lam * (state.w - ctx.average(theta, ctx.weights[S]))
         ctx.count(S.numel() * self.local_steps)
         return state
 

@@ -26,7 +26,8 @@ its scale decides how different the clusters start (logits move by about
 ``init_scale``·‖x‖). ``init`` may also be a ``[K, d]`` tensor (e.g. a good initialization).
 
 Personalized model of client i: ω_{k(i)}. Global model: the mixture Σ_k q_k ω_k with q_k the
-weight Σ_{i: k(i)=k} p_i of the clients in cluster k (with K = 1 this is ω_1, FedAvg's model).
+weight Σ_{i: k(i)=k} p_i of the clients in cluster k (with K = 1 this is ω_1, FedAvg's model),
+kept in the state (``cluster_weights``) so that it covers every rank's clients.
 """
 from __future__ import annotations
 
@@ -36,14 +37,15 @@ from typing import Optional, Union
 import torch
 
 from pflcore import ops
-from pflcore.algorithms.base import Algorithm, Context, count_int, positive
+from pflcore.algorithms.base import Algorithm, Context, count_int, per_client, positive
 
 
 @dataclass
 class IFCAState:
-    models: torch.Tensor   # [K, d] cluster models Ω
-    labels: torch.Tensor   # int64 [m] cluster of each client (its last estimate)
-    weights: torch.Tensor  # [m] client weights p_i (for the global mixture; dtype of the data)
+    models: torch.Tensor                  # [K, d] cluster models Ω
+    labels: torch.Tensor = per_client()   # int64 [m] cluster of each client (its last estimate)
+    weights: torch.Tensor = per_client()  # [m] client weights p_i (for the global mixture; dtype of the data)
+    cluster_weights: Optional[torch.Tensor] = None  # [K] q_k = Σ_{i: k(i)=k} p_i over all clients
 
 
 class IFCA(Algorithm):
@@ -81,7 +83,15 @@ class IFCA(Algorithm):
                 xi = torch.randn(K, ctx.d, generator=g, dtype=torch.float64)
                 models = models + (self.init_scale * xi).to(dtype=ctx.dtype, device=ctx.device)
         everyone = torch.arange(ctx.m, device=ctx.device)
-        return IFCAState(models, self.cluster_of(models, ctx, everyone), ctx.weights.clone())
+        state = IFCAState(models, self.cluster_of(models, ctx, everyone), ctx.weights.clone())
+        state.cluster_weights = self._cluster_weights(state, ctx)
+        return state
+
+    @staticmethod
+    def _cluster_weights(state: IFCAState, ctx: Context) -> torch.Tensor:
+        K = state.models.shape[0]
+        q = torch.zeros(K, dtype=state.weights.dtype, device=state.weights.device)
+        return ctx.sum(q.index_add_(0, state.labels, state.weights))
 
     def cluster_of(self, models: torch.Tensor, ctx: Context, clients: torch.Tensor) -> torch.Tensor:
         """int64 [n] argmin_k f_i(ω_k) for each client of ``clients`` [n] (ties → lowest k)."""
@@ -101,12 +111,15 @@ class IFCA(Algorithm):
         b = None if self.batch_size is None else ctx.batches(t, 0, S, self.local_steps, self.batch_size)
         ops.local_steps(ctx.model, theta, ctx.train, steps=self.local_steps, lr=self.lr, rows=S, batches=b)
         w = ctx.weights[S]
-        for k in torch.unique(labels).tolist():  # a loop over the (few) picked clusters
+        # The clusters some sampled client picked, on any rank: a loop over the (few) clusters.
+        picked = ctx.sum(torch.bincount(labels, minlength=state.models.shape[0])) > 0
+        for k in torch.nonzero(picked).flatten().tolist():
             members = (labels == k).nonzero().flatten()
-            state.models[k] = ops.average(theta, w, rows=members)
+            state.models[k] = ctx.average(theta, w, rows=members)
         state.labels[S] = labels
         if self.relabel_all:
             state.labels = self.cluster_of(state.models, ctx, torch.arange(ctx.m, device=ctx.device))
+        state.cluster_weights = self._cluster_weights(state, ctx)
         ctx.count(n * self.local_steps)
         return state
 
@@ -114,7 +127,4 @@ class IFCA(Algorithm):
         return state.models[state.labels]
 
     def global_model(self, state: IFCAState) -> torch.Tensor:
-        K = state.models.shape[0]
-        q = torch.zeros(K, dtype=state.weights.dtype, device=state.weights.device)
-        q.index_add_(0, state.labels, state.weights)
-        return ops.average(state.models, q)
+        return ops.average(state.models, state.cluster_weights)

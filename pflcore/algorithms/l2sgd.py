@@ -22,7 +22,7 @@ One round = ``iterations`` iterations; the coins of round t come from a generato
 is one ``ops.local_steps`` call; x̄ is one ``ops.average``. The averaging factor
 c = αλ/(n p) must be ≤ 1 (c = 1 moves every x_i onto x̄; the paper's theory has c ≤ 1/2).
 
-Personalized models: x; global model: x̄.
+Personalized models: x; global model: x̄ (kept in the state, refreshed after every round).
 """
 from __future__ import annotations
 
@@ -32,17 +32,19 @@ from typing import Optional
 import torch
 
 from pflcore import ops
-from pflcore.algorithms.base import Algorithm, Context, count_int, positive
+from pflcore.algorithms.base import Algorithm, Context, count_int, per_client, positive
 
 
 @dataclass
 class L2SGDState:
-    x: torch.Tensor          # [m, d] local models
-    averaging_steps: int = 0  # communications so far (iterations whose coin said "average")
+    x: torch.Tensor = per_client()  # [m, d] local models
+    averaging_steps: int = 0        # communications so far (iterations whose coin said "average")
+    x_bar: Optional[torch.Tensor] = None  # [d] mean of x over all clients (the global model)
 
 
-def _uniform(m: int, like: torch.Tensor) -> torch.Tensor:
-    return torch.full((m,), 1.0 / m, dtype=like.dtype, device=like.device)
+def _uniform(rows: int, m: int, like: torch.Tensor) -> torch.Tensor:
+    """``[rows]`` weights 1/m (m = clients of the whole federation; rows held here)."""
+    return torch.full((rows,), 1.0 / m, dtype=like.dtype, device=like.device)
 
 
 class L2SGD(Algorithm):
@@ -63,11 +65,14 @@ class L2SGD(Algorithm):
         return self.lr / (m * (1 - self.p)), self.lr * self.lam / (m * self.p)
 
     def init(self, ctx: Context) -> L2SGDState:
-        _, c = self.step_sizes(ctx.m)
+        m = ctx.num_clients
+        _, c = self.step_sizes(m)
         if c > 1:
             raise ValueError(f"{self.name}: lr·lam/(m·p) must be <= 1 or the averaging step moves x_i past x̄ "
-                             f"(got lr = {self.lr!r}, lam = {self.lam!r}, p = {self.p!r}, m = {ctx.m}: {c:.4g})")
-        return L2SGDState(ctx.initial_models(ctx.m))
+                             f"(got lr = {self.lr!r}, lam = {self.lam!r}, p = {self.p!r}, m = {m}: {c:.4g})")
+        state = L2SGDState(ctx.initial_models(ctx.m))
+        state.x_bar = ctx.average(state.x, _uniform(ctx.m, m, state.x))
+        return state
 
     def coins(self, ctx: Context, t: int) -> torch.Tensor:
         """bool [iterations]: True where iteration j of round t is an averaging step."""
@@ -75,16 +80,16 @@ class L2SGD(Algorithm):
         return torch.rand(self.iterations, generator=g, dtype=torch.float64) < self.p
 
     def round(self, state: L2SGDState, ctx: Context, t: int) -> L2SGDState:
-        m = ctx.m
+        m, held = ctx.num_clients, ctx.m
         local_lr, c = self.step_sizes(m)
         average = self.coins(ctx, t).tolist()
-        everyone = torch.arange(m, device=ctx.device)
+        everyone = torch.arange(held, device=ctx.device)
         b = None if self.batch_size is None else ctx.batches(t, 0, everyone, self.iterations, self.batch_size)
         x, j, local = state.x, 0, 0
         while j < self.iterations:
             if average[j]:
                 if c > 0:  # λ = 0: the averaging step is the identity
-                    x_bar = ops.average(x, _uniform(m, x))
+                    x_bar = ctx.average(x, _uniform(held, m, x))
                     x -= c * (x - x_bar)
                 state.averaging_steps += 1
                 j += 1
@@ -96,11 +101,12 @@ class L2SGD(Algorithm):
             ops.local_steps(ctx.model, x, ctx.train, steps=run, lr=local_lr, batches=bj)
             local += run
             j += run
-        ctx.count(m * local)
+        ctx.count(held * local)
+        state.x_bar = ctx.average(x, _uniform(held, m, x))
         return state
 
     def personalized(self, state: L2SGDState) -> torch.Tensor:
         return state.x
 
     def global_model(self, state: L2SGDState) -> torch.Tensor:
-        return ops.average(state.x, _uniform(state.x.shape[0], state.x))
+        return state.x_bar

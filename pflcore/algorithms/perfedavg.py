@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from pflcore import ops
-from pflcore.algorithms.base import Algorithm, Context, count_int, positive
+from pflcore.algorithms.base import Algorithm, Context, count_int, per_client, positive, replicate
 from pflcore.models.glm import GLM
 from pflcore.ops import _nets
 
@@ -49,7 +49,7 @@ def glm_hvp(model: GLM, theta: torch.Tensor, v: torch.Tensor, x: torch.Tensor, y
 @dataclass
 class PerFedAvgState:
     w: torch.Tensor         # [d] global (meta) model
-    personal: torch.Tensor  # [m, d] w − α∇f_i(w), refreshed every round
+    personal: torch.Tensor = per_client()  # [m, d] w − α∇f_i(w), refreshed every round
 
 
 class PerFedAvg(Algorithm):
@@ -69,13 +69,13 @@ class PerFedAvg(Algorithm):
         return PerFedAvgState(w, self._personalize(w, ctx))
 
     def _personalize(self, w: torch.Tensor, ctx: Context) -> torch.Tensor:
-        W = w.expand(ctx.m, ctx.d).contiguous()
+        W = replicate(w, ctx.m)
         return W - self.alpha * ops.gradients(ctx.model, W, ctx.train)
 
     def round(self, state: PerFedAvgState, ctx: Context, t: int) -> PerFedAvgState:
         S = ctx.sample_clients(t)
         n, B = S.numel(), self.batch_size
-        W = state.w.expand(n, ctx.d).contiguous()
+        W = replicate(state.w, n)
         for s in range(self.local_steps):
             draws = ctx.batches(t, s, S, 3, B)  # D, D', D'' for this step
             D, D2, D3 = (draws[:, j].contiguous() for j in range(3))
@@ -85,7 +85,7 @@ class PerFedAvg(Algorithm):
                 hvp = _nets.hvp if _nets.is_net(ctx.model) else glm_hvp  # nets: exact, by torch.func
                 g = g - self.alpha * hvp(ctx.model, W, g, ctx.train.x, ctx.train.y, D3)
             W = W - self.beta * g
-        state.w = ops.average(W.contiguous(), ctx.weights[S])
+        state.w = ctx.average(W.contiguous(), ctx.weights[S])
         state.personal = self._personalize(state.w, ctx)
         ctx.count(n * self.local_steps)
         return state

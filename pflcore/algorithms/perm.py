@@ -19,6 +19,13 @@ permutation SGD on Σ_j α_{i,j} f_j. Pairs with α_{i,j} = 0 skip the gradient 
 Two-loop (default): ``warmup_rounds`` of FedAvg give w̃, α is computed once, then every round
 is a shuffling round. ``single_loop=True``: FedAvg keeps training w̃ every round (on the sampled
 clients) and α is recomputed at the current w̃ every ``alpha_every`` shuffling rounds.
+
+Sharded runs (``pflcore.distributed``): a rank holds its clients' personalized models and their
+rows of α [m_local, m]. α needs every client's gradient (one all-gather of G [m, d]); in a
+shuffling round each model travels to the rank of the client it visits, takes its steps there
+(one ``local_steps`` call per rank) and comes back: the models move, as they do in PERM itself.
+A model row's steps do not depend on the other rows, so the models are bitwise those of one
+process.
 """
 from __future__ import annotations
 
@@ -29,24 +36,30 @@ from typing import Optional
 import torch
 
 from pflcore import ops
-from pflcore.algorithms.base import Algorithm, Context, count_int, positive
+from pflcore import distributed
+from pflcore.algorithms.base import Algorithm, Context, count_int, per_client, positive, replicate
 
 _M63 = 0x7FFFFFFFFFFFFFFF
 
 
 # ---- mixing weights -----------------------------------------------------------------------------
 
-def pairwise_sqdist(G: torch.Tensor) -> torch.Tensor:
-    """``[m, m]`` float64 squared distances ‖g_i − g_j‖² between the rows of ``G [m, d]``.
+def pairwise_sqdist(G: torch.Tensor, rows: slice = slice(None)) -> torch.Tensor:
+    """``[r, m]`` float64 squared distances ‖g_i − g_j‖² between the rows ``rows`` of ``G [m, d]``
+    (default all: ``[m, m]``) and every row.
 
     One Gram matrix in float64 after centring the rows (the gradients of similar clients are
     close, so their distance is a small difference of large norms: centring and float64 keep
-    it accurate); the diagonal is exactly 0 and rounding never makes an entry negative."""
+    it accurate); the distance of a row to itself is exactly 0 and rounding never makes an
+    entry negative."""
     Gc = G.to(torch.float64)
     Gc = Gc - Gc.mean(dim=0, keepdim=True)
     sq = (Gc * Gc).sum(dim=1)
-    D = (sq[:, None] + sq[None, :]) - 2.0 * (Gc @ Gc.T)
-    D.clamp_(min=0.0).fill_diagonal_(0.0)
+    D = (sq[rows, None] + sq[None, :]) - 2.0 * (Gc[rows] @ Gc.T)
+    D.clamp_(min=0.0)
+    first = rows.start or 0
+    own = torch.arange(D.shape[0], device=D.device)
+    D[own, own + first] = 0.0
     return D
 
 
@@ -108,13 +121,18 @@ def water_filling(costs: torch.Tensor, counts: torch.Tensor, lam_alpha: float, *
     return c.neg().add_(tau[:, None]).clamp_(min=0.0).mul_(w[None, :])  # in place on a fresh [m, k]
 
 
-def mixing_weights(model, w: torch.Tensor, train, lam_alpha: float) -> torch.Tensor:
+def mixing_weights(model, w: torch.Tensor, train, lam_alpha: float, comm: distributed.Comm = None) -> torch.Tensor:
     """``[m, m]`` float64 α: row i holds personalized model i's weights on the m clients, from
     one ``ops.gradients`` call at w (every client's full-batch gradient) and one pairwise
-    distance computation."""
-    m = train.num_clients
-    G = ops.gradients(model, w.expand(m, w.shape[0]).contiguous(), train)
-    return water_filling(pairwise_sqdist(G), train.sizes, lam_alpha)
+    distance computation. Sharded (``comm`` over several ranks, ``train`` this rank's clients):
+    the rows of this rank's models, ``[m_local, m]``, after one all-gather of G and the sizes."""
+    held = train.num_clients
+    G = ops.gradients(model, w.expand(held, w.shape[0]).contiguous(), train)
+    if comm is None or comm.world == 1:
+        return water_filling(pairwise_sqdist(G), train.sizes, lam_alpha)
+    G_all, sizes = comm.all_gather_rows(G), comm.all_gather_rows(train.sizes)
+    lo = train.first_client
+    return water_filling(pairwise_sqdist(G_all, slice(lo, lo + held)), sizes, lam_alpha)
 
 
 # ---- the algorithm ------------------------------------------------------------------------------
@@ -122,9 +140,9 @@ def mixing_weights(model, w: torch.Tensor, train, lam_alpha: float) -> torch.Ten
 @dataclass
 class PERMState:
     w: torch.Tensor                 # [d] the FedAvg model w̃
-    theta: torch.Tensor             # [m, d] personalized models
-    sigma: torch.Tensor             # int64 [m] the shuffling permutation σ
-    alpha: Optional[torch.Tensor] = None  # float64 [m, m] mixing weights (None during warm-up)
+    theta: torch.Tensor = per_client()  # [m, d] personalized models
+    sigma: Optional[torch.Tensor] = None  # int64 [m] the shuffling permutation σ (of all clients)
+    alpha: Optional[torch.Tensor] = per_client(default=None)  # float64 [m, m] mixing weights (None in warm-up)
     shuffle_rounds: int = 0         # shuffling rounds done
 
 
@@ -147,30 +165,35 @@ class PERM(Algorithm):
 
     def init(self, ctx: Context) -> PERMState:
         g = torch.Generator().manual_seed((ctx.seed * 6_364_136_223 + 1_442_695) & _M63)
-        sigma = torch.randperm(ctx.m, generator=g).to(ctx.device)
+        sigma = torch.randperm(ctx.num_clients, generator=g).to(ctx.device)
         return PERMState(ctx.initial_global(), ctx.initial_models(ctx.m), sigma)
 
     @staticmethod
-    def visits(sigma: torch.Tensor, r: int) -> torch.Tensor:
-        """``int64 [m]``: the client j = σ((i + r) mod m) that model i visits in shuffling round r."""
+    def visits(sigma: torch.Tensor, r: int, models: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``int64``: the client j = σ((i + r) mod m) that model i visits in shuffling round r, for
+        the models ``models`` (global ids; default all m)."""
         m = sigma.numel()
-        return sigma[(torch.arange(m, device=sigma.device) + r) % m]
+        i = torch.arange(m, device=sigma.device) if models is None else models
+        return sigma[(i + r) % m]
 
     def _fedavg(self, state: PERMState, ctx: Context, t: int) -> None:
         S = ctx.sample_clients(t)
-        theta = state.w.expand(S.numel(), ctx.d).contiguous()
+        theta = replicate(state.w, S.numel())
         b = None if self.batch_size is None else ctx.batches(t, 0, S, self.fedavg_steps, self.batch_size)
         ops.local_steps(ctx.model, theta, ctx.train, steps=self.fedavg_steps, lr=self.fedavg_lr, rows=S, batches=b)
-        state.w = ops.average(theta, ctx.weights[S])
+        state.w = ctx.average(theta, ctx.weights[S])
         ctx.count(S.numel() * self.fedavg_steps)
 
     def _shuffle(self, state: PERMState, ctx: Context, t: int) -> None:
-        m, r = ctx.m, state.shuffle_rounds
-        j = self.visits(state.sigma, r)
-        a = state.alpha[torch.arange(m, device=ctx.device), j]
+        m, r, held = ctx.num_clients, state.shuffle_rounds, ctx.m
+        models = torch.arange(held, device=ctx.device)
+        j = self.visits(state.sigma, r, models + ctx.first_client)  # global client ids
+        a = state.alpha[models, j]
         active = torch.nonzero(a > 0).flatten()
         idle = torch.nonzero(a <= 0).flatten()
-        if active.numel():
+        if ctx.sharded:
+            self._shuffle_sharded(state, ctx, t, active, j[active], a[active])
+        elif active.numel():
             theta = state.theta[active].contiguous()
             b = None if self.batch_size is None else ctx.batches(t, 1, j[active], self.local_steps, self.batch_size)
             ops.local_steps(ctx.model, theta, ctx.train, steps=self.local_steps, lr=self.lr, rows=j[active],
@@ -181,6 +204,47 @@ class PERM(Algorithm):
             state.theta[idle] *= (1.0 - self.lr * ctx.model.l2) ** self.local_steps
         state.shuffle_rounds += 1
 
+    def _shuffle_sharded(self, state: PERMState, ctx: Context, t: int, active: torch.Tensor, clients: torch.Tensor,
+                         a: torch.Tensor) -> None:
+        """The steps of the local models ``active`` on the global ``clients`` they visit, each run by
+        the rank holding the client: a model goes there as a float64 row [θ (d) | local client
+        index there | α], comes back as [θ] (exact: float32 and float64 fit in float64)."""
+        comm, d, m = ctx.comm, ctx.d, ctx.num_clients
+        starts = distributed.shard_starts(m, comm.world).to(clients.device)
+        owner = distributed.owner_of(clients, starts)
+        sends, picks = [], []
+        for q in range(comm.world):
+            mine = torch.nonzero(owner == q).flatten()
+            picks.append(mine)
+            if not mine.numel():
+                sends.append(None)
+                continue
+            block = torch.empty(mine.numel(), d + 2, dtype=torch.float64, device=ctx.device)
+            block[:, :d] = state.theta[active[mine]]
+            block[:, d] = (clients[mine] - starts[q]).to(torch.float64)
+            block[:, d + 1] = a[mine]
+            sends.append(block)
+        got = comm.exchange(sends, d + 2, torch.float64, ctx.device)
+        arrived = torch.cat(got)
+        if arrived.shape[0]:
+            theta = arrived[:, :d].to(ctx.dtype).contiguous()
+            rows = arrived[:, d].to(torch.int64)
+            b = None if self.batch_size is None else ctx.batches(t, 1, rows, self.local_steps, self.batch_size)
+            ops.local_steps(ctx.model, theta, ctx.train, steps=self.local_steps, lr=self.lr, rows=rows, batches=b,
+                            grad_scale=(m * arrived[:, d + 1]).to(ctx.dtype))
+            ctx.count(theta.shape[0] * self.local_steps)
+        else:
+            theta = torch.empty(0, d, dtype=ctx.dtype, device=ctx.device)
+        back, start = [], 0  # return each model to the rank it came from, in the order it came
+        for block in got:
+            n = block.shape[0]
+            back.append(theta[start:start + n].to(torch.float64) if n else None)
+            start += n
+        home = comm.exchange(back, d, torch.float64, ctx.device)
+        for q, mine in enumerate(picks):
+            if mine.numel():
+                state.theta[active[mine]] = home[q].to(ctx.dtype)
+
     def round(self, state: PERMState, ctx: Context, t: int) -> PERMState:
         if t <= self.warmup_rounds or self.single_loop:
             self._fedavg(state, ctx, t)
@@ -189,8 +253,8 @@ class PERM(Algorithm):
         refresh = self.single_loop and state.shuffle_rounds % self.alpha_every == 0
         if state.alpha is None or refresh:
             if state.alpha is None:
-                state.theta = state.w.expand(ctx.m, ctx.d).clone()  # personalized models start at w̃
-            state.alpha = mixing_weights(ctx.model, state.w, ctx.train, self.lam_alpha)
+                state.theta = replicate(state.w, ctx.m)  # personalized models start at w̃
+            state.alpha = mixing_weights(ctx.model, state.w, ctx.train, self.lam_alpha, ctx.comm)
         self._shuffle(state, ctx, t)
         return state
 

@@ -15,14 +15,14 @@ from dataclasses import dataclass
 import torch
 
 from pflcore import ops
-from pflcore.algorithms.base import Algorithm, Context, ServerModelFixedPoint, count_int, positive
+from pflcore.algorithms.base import Algorithm, Context, ServerModelFixedPoint, count_int, per_client, positive, replicate
 
 
 @dataclass
 class PFedMeState:
     w: torch.Tensor        # [d] global model
-    w_local: torch.Tensor  # [m, d] local models w_i
-    theta: torch.Tensor    # [m, d] personal models θ_i
+    w_local: torch.Tensor = per_client()  # [m, d] local models w_i
+    theta: torch.Tensor = per_client()    # [m, d] personal models θ_i
 
 
 class PFedMe(ServerModelFixedPoint, Algorithm):
@@ -50,7 +50,7 @@ class PFedMe(ServerModelFixedPoint, Algorithm):
         S = ctx.sample_clients(t)
         trainers = torch.arange(ctx.m, device=ctx.device) if self.train_all else S
         T = trainers.numel()
-        w_local = state.w.expand(T, ctx.d).contiguous()
+        w_local = replicate(state.w, T)
         theta = w_local.clone()
         for r in range(self.local_rounds):
             # One minibatch per local round, reused by the K inner steps.
@@ -61,7 +61,7 @@ class PFedMe(ServerModelFixedPoint, Algorithm):
             w_local -= self.lr * self.lam * (w_local - theta)
         state.w_local[trainers] = w_local
         state.theta[trainers] = theta
-        mean = ops.average(state.w_local[S].contiguous(), ctx.weights[S])
+        mean = ctx.average(state.w_local[S].contiguous(), ctx.weights[S])
         state.w = (1 - self.beta) * state.w + self.beta * mean
         ctx.count(T * self.local_rounds * self.inner_steps)
         return state

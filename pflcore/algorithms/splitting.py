@@ -25,13 +25,13 @@ from typing import Optional
 import torch
 
 from pflcore import ops
-from pflcore.algorithms.base import Algorithm, Context, count_int, positive
+from pflcore.algorithms.base import Algorithm, Context, count_int, per_client, positive
 
 
 @dataclass
 class SplittingState:
-    u: torch.Tensor          # [m, d] the fixed-point variable
-    prox: torch.Tensor       # [m, d] P^η_f(u) of the last round (personalized models)
+    u: torch.Tensor = per_client()     # [m, d] the fixed-point variable
+    prox: torch.Tensor = per_client()  # [m, d] P^η_f(u) of the last round (personalized models)
     w: torch.Tensor          # [d] P_H(prox): the global model
     w_ergodic: torch.Tensor  # [d] Σ η_s w_s (divided by eta_sum when reported)
     eta_sum: float = 0.0
@@ -62,7 +62,7 @@ class GrandScheme(Algorithm):
         self.decay_period = count_int(decay_period, "decay_period", n)
         self.decay = positive(decay, "decay", n)
         self.ergodic = bool(ergodic)
-        self._factor = None  # (η, Cholesky factors [m, P, P], rhs [m, P]) for the exact prox
+        self._factor = None  # (key, Cholesky factors [m, P, P], rhs [m, P]) for the exact prox; key = (η, clients)
 
     def eta_at(self, t: int) -> float:
         if self.schedule == "inverse":
@@ -83,7 +83,8 @@ class GrandScheme(Algorithm):
         model = ctx.model
         if model.family != "least_squares":
             raise ValueError(f"{self.name}: prox='exact' needs a LeastSquares model, got {model!r}")
-        if self._factor is None or self._factor[0] != eta or self._factor[1].shape[0] != ctx.m:
+        key = (eta, ctx.first_client, ctx.m)  # the factors belong to this rank's clients
+        if self._factor is None or self._factor[0] != key:
             P = model.P
             H = torch.empty(ctx.m, P, P, dtype=torch.float64, device=ctx.device)
             g = torch.empty(ctx.m, P, dtype=torch.float64, device=ctx.device)
@@ -96,7 +97,7 @@ class GrandScheme(Algorithm):
                 g[i] = X.T @ y.to(torch.float64) / X.shape[0]
             eye = torch.eye(P, dtype=torch.float64, device=ctx.device)
             L = torch.linalg.cholesky(H + (model.l2 + 1.0 / eta) * eye)
-            self._factor = (eta, L, g)
+            self._factor = (key, L, g)
         _, L, g = self._factor
         rhs = g[S] + u.to(torch.float64) / eta
         return torch.cholesky_solve(rhs[:, :, None], L[S])[:, :, 0].to(u.dtype)
@@ -125,12 +126,12 @@ class GrandScheme(Algorithm):
         p = self._local(u, S, ctx, eta)
         z = (1 - self.alpha) * u + self.alpha * p
         weights = ctx.weights[S]
-        w = (1 - self.beta) * z + self.beta * ops.average(z.contiguous(), weights)
+        w = (1 - self.beta) * z + self.beta * ctx.average(z.contiguous(), weights)
         u_new = (1 - self.gamma) * u + self.gamma * w
-        state.residual = float((u_new - u).norm())
+        state.residual = ctx.norm(u_new - u)
         state.u[S] = u_new
         state.prox[S] = p
-        state.w = ops.average(p.contiguous(), weights)
+        state.w = ctx.average(p.contiguous(), weights)
         state.w_ergodic = state.w_ergodic + eta * state.w
         state.eta_sum += eta
         return state
@@ -146,7 +147,14 @@ class GrandScheme(Algorithm):
     def residual(self, state: SplittingState) -> Optional[float]:
         return None if math.isnan(state.residual) else state.residual
 
-    # The fixed-point variable that Accelerated mixes.
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_factor"] = None  # a cache of this process's clients: rebuilt on first use
+        return state
+
+    # The fixed-point variable that Accelerated mixes: per client, so sharded with the clients.
+    fixed_point_per_client = True
+
     def fixed_point(self, state: SplittingState) -> torch.Tensor:
         return state.u
 

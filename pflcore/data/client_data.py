@@ -17,12 +17,17 @@ class ClientData:
         y: ``[N]`` int64 class labels, or float targets (the dtype of ``x``) for least squares.
         offsets: ``[m + 1]`` int64, starting at 0, strictly increasing (every client has at
             least one row), ending at N.
+        first_client: the global id of local client 0 (0 unless this is one rank's shard of a
+            bigger federation, ``shard``): client ``i`` here is client ``first_client + i`` of
+            the federation, the id that ``ops.sample_batches`` hashes.
 
     numpy arrays are wrapped without a copy. Everything is validated here, once, so the ops
     can trust it: a bad argument raises ValueError naming it.
     """
 
-    def __init__(self, x, y, offsets):
+    first_client: int = 0  # (class default: objects pickled before the attribute existed)
+
+    def __init__(self, x, y, offsets, first_client: int = 0):
         x, _ = as_tensor(x, "x")
         y, _ = as_tensor(y, "y")
         offsets, _ = as_tensor(offsets, "offsets")
@@ -58,6 +63,9 @@ class ClientData:
             raise ValueError(f"offsets: client {i} is empty (offsets[{i}] == offsets[{i + 1}] == {int(off[i])}); "
                              f"every client needs at least one row")
         check_finite(x, "x")
+        if isinstance(first_client, bool) or not isinstance(first_client, int) or first_client < 0:
+            raise ValueError(f"first_client: expected an integer >= 0, got {first_client!r}")
+        self.first_client = first_client
         self.x = x.contiguous()
         self.y = y.contiguous()
         self.offsets = offsets.contiguous()
@@ -114,8 +122,19 @@ class ClientData:
         """A copy on ``device`` and/or with features (and float targets) of ``dtype``."""
         x = self.x.to(device=device, dtype=dtype)
         y = self.y.to(device=device, dtype=dtype if self.y.dtype.is_floating_point else None)
-        return ClientData(x, y, self.offsets.to(device))
+        return ClientData(x, y, self.offsets.to(device), self.first_client)
+
+    def shard(self, lo: int, hi: int) -> "ClientData":
+        """Clients ``lo .. hi-1`` (views of their rows, offsets rebased to 0), keeping their
+        global ids: the result's ``first_client`` is ``self.first_client + lo``."""
+        m = self.num_clients
+        if isinstance(lo, bool) or isinstance(hi, bool) or not isinstance(lo, int) or not isinstance(hi, int) \
+                or not 0 <= lo < hi <= m:
+            raise ValueError(f"lo, hi: expected integers with 0 <= lo < hi <= m = {m}, got {lo!r}, {hi!r}")
+        r0, r1 = int(self.offsets[lo]), int(self.offsets[hi])
+        return ClientData(self.x[r0:r1], self.y[r0:r1], self.offsets[lo:hi + 1] - r0, self.first_client + lo)
 
     def __repr__(self) -> str:
+        ids = f", clients {self.first_client}..{self.first_client + self.num_clients - 1}" if self.first_client else ""
         return (f"ClientData(m={self.num_clients}, N={self.num_rows}, p={self.num_features}, "
-                f"dtype={str(self.dtype).replace('torch.', '')}, device={self.device})")
+                f"dtype={str(self.dtype).replace('torch.', '')}, device={self.device}{ids})")

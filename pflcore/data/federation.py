@@ -18,6 +18,11 @@ class Federation:
     n_i / N over the training rows); ``truth [m, d]`` and ``truth_global [d]`` are the true
     per-client and global models of a synthetic generator, laid out like the parameters of
     ``meta["model"]``; ``meta`` records the generator's arguments.
+
+    ``shard(lo, hi)`` gives one rank's part of the federation (``pflcore.distributed``): the
+    clients lo..hi-1 with their global ids (``train.first_client``), their weights p_i as they
+    are in the whole federation (they sum to less than 1) and ``num_clients_total`` = the m of
+    the whole federation.
     """
 
     train: ClientData
@@ -28,6 +33,7 @@ class Federation:
     truth_global: Optional[torch.Tensor] = None
     name: str = "federation"
     meta: Dict[str, Any] = field(default_factory=dict)
+    num_clients_total: Optional[int] = None  # a shard's whole federation has this many clients
 
     def __post_init__(self):
         if not isinstance(self.train, ClientData) or not isinstance(self.test, ClientData):
@@ -42,6 +48,8 @@ class Federation:
             raise ValueError(f"test: expected dtype {self.train.dtype} like train, got {self.test.dtype}")
         if isinstance(self.num_classes, bool) or not isinstance(self.num_classes, int) or self.num_classes < 0:
             raise ValueError(f"num_classes: expected an integer >= 0 (0 for regression), got {self.num_classes!r}")
+        if self.num_clients_total is not None and self.weights is None:
+            raise ValueError("weights: a shard (num_clients_total set) needs the weights of the whole federation")
         if self.weights is None:
             sizes = self.train.sizes.to(torch.float64)
             self.weights = (sizes / sizes.sum()).to(self.train.dtype)
@@ -50,7 +58,8 @@ class Federation:
             check_float(w, "weights")
             check_shape(w, "weights", (m,), f"[m] = [{m}]")
             check_finite(w, "weights")
-            if bool((w < 0).any()) or abs(float(w.sum()) - 1.0) > 1e-6:
+            whole = self.num_clients_total is None or self.num_clients_total == m
+            if bool((w < 0).any()) or (whole and abs(float(w.sum()) - 1.0) > 1e-6):
                 raise ValueError(f"weights: expected non-negative client weights summing to 1, "
                                  f"got sum {float(w.sum()):.6g}")
             self.weights = w.to(self.train.dtype)
@@ -73,11 +82,26 @@ class Federation:
     def num_features(self) -> int:
         return self.train.num_features
 
+    @property
+    def is_shard(self) -> bool:
+        return self.num_clients_total is not None and self.num_clients_total != self.num_clients
+
     def to(self, device=None, dtype: Optional[torch.dtype] = None) -> "Federation":
         """A copy of the federation on ``device`` and/or with floating data of ``dtype``."""
         conv = lambda t: None if t is None else t.to(device=device, dtype=dtype)  # noqa: E731
         return Federation(self.train.to(device, dtype), self.test.to(device, dtype), self.num_classes,
-                          conv(self.weights), conv(self.truth), conv(self.truth_global), self.name, dict(self.meta))
+                          conv(self.weights), conv(self.truth), conv(self.truth_global), self.name, dict(self.meta),
+                          self.num_clients_total)
+
+    def shard(self, lo: int, hi: int) -> "Federation":
+        """Clients ``lo .. hi-1`` of this (whole) federation, keeping their global ids and weights."""
+        if self.is_shard:
+            raise ValueError("shard: this federation is already a shard; shard the whole federation")
+        rows = slice(lo, hi)
+        train, test = self.train.shard(lo, hi), self.test.shard(lo, hi)
+        return Federation(train, test, self.num_classes, self.weights[rows],
+                          None if self.truth is None else self.truth[rows], self.truth_global, self.name,
+                          dict(self.meta), self.num_clients)
 
     def __repr__(self) -> str:
         return (f"Federation({self.name!r}, m={self.num_clients}, p={self.num_features}, "

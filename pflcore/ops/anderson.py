@@ -149,7 +149,11 @@ class Anderson:
         self._G = torch.zeros(H, H, dtype=torch.float64)
         self._shape = tuple(ref.shape)
 
-    def step(self, u, tu):
+    def step(self, u, tu, *, reduce=None):
+        """The next iterate from ``u`` and ``tu`` = T(u). ``reduce``, when given, is applied to
+        the float64 vector of the new Gram column's dot products before they are used: with
+        u split in pieces over processes, ``reduce`` sums the pieces' dots (an all-reduce), so
+        every piece mixes with the weights of the whole vector."""
         u_t, is_np = as_tensor(u, "u")
         tu_t, _ = as_tensor(tu, "tu")
         check_float(u_t, "u")
@@ -189,6 +193,8 @@ class Anderson:
                                          uf.numel(), slot, _cuda.ptr(slots), len(order), _cuda.ptr(dots_dev),
                                          _cuda.dtype_name(uf), _cuda.stream(uf))
             dots = dots_dev.cpu()
+        if reduce is not None:
+            dots = reduce(dots)
         if not bool(torch.isfinite(dots).all()):
             check_finite(u_t, "u")
             check_finite(tu_t, "tu")

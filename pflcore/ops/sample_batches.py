@@ -41,14 +41,17 @@ def _validate(data, steps, batch_size, seed, counter, clients):
 
 def sample_batches(data, *, steps, batch_size, seed, counter, clients=None):
     """``int32 [R, steps, batch_size]`` absolute row indices into ``data.x``, one batch per
-    step for each client in ``clients`` (default: all m, R = m)."""
+    step for each client in ``clients`` (default: all m, R = m). The hash takes the global
+    client id ``data.first_client + clients[r]``, so a shard draws what the whole federation
+    draws for the same clients."""
     steps, B, seed, counter, clients_t = _validate(data, steps, batch_size, seed, counter, clients)
     name, module = backend.select("sample_batches", data.device)
     if name == "reference":
         return sample_batches_ref(data, steps=steps, batch_size=B, seed=seed, counter=counter,
                                   clients=clients_t)
     out = torch.empty(clients_t.numel(), steps, B, dtype=torch.int32)
-    module.sample_batches(cpu_numpy(data.offsets), cpu_numpy(clients_t), cpu_numpy(clients_t), steps,
+    ids = clients_t + data.first_client if data.first_client else clients_t  # global ids (a shard's offset)
+    module.sample_batches(cpu_numpy(data.offsets), cpu_numpy(clients_t), cpu_numpy(ids), steps,
                           B, seed, counter, cpu_numpy(out))
     return out
 
@@ -85,7 +88,8 @@ def sample_batches_ref(data, *, steps, batch_size, seed, counter, clients=None):
     clients_t = torch.arange(data.num_clients, device=dev) if clients is None else torch.as_tensor(clients, device=dev)
     R = clients_t.numel()
     shape = (R, steps, batch_size)
-    cid = clients_t.to(torch.int64).view(R, 1, 1).expand(shape)
+    first = getattr(data, "first_client", 0)  # global id of local client 0 (a shard of a federation)
+    cid = (clients_t.to(torch.int64) + first).view(R, 1, 1).expand(shape)
     s = torch.arange(steps, dtype=torch.int64, device=dev).view(1, steps, 1).expand(shape)
     j = torch.arange(batch_size, dtype=torch.int64, device=dev).view(1, 1, batch_size).expand(shape)
     const = lambda v: torch.full(shape, v, dtype=torch.int64, device=dev)  # noqa: E731
