@@ -29,6 +29,13 @@ def _info(_args) -> int:
     print("backends:")
     for name, (ok, detail) in backend.status().items():
         print(f"  {name:<10} {'yes' if ok else 'no ':<4} {detail}")
+    import torch.distributed as dist
+
+    if dist.is_available():
+        print(f"sharding (torchrun -m pflcore run ...): gloo {'yes' if dist.is_gloo_available() else 'no'}, "
+              f"nccl {'yes' if dist.is_nccl_available() and torch.cuda.is_available() else 'no'}")
+    else:
+        print("sharding: torch.distributed is not available in this torch build")
     return 0
 
 
