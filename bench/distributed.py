@@ -129,7 +129,7 @@ def main() -> None:
     two = launch(2, 2 * weak_n, ["FedAvg"], args.rounds, tmp, threads=1)[0]["FedAvg"]["seconds"]
 
     print(f"\nbytes sent per round by each rank (2 gloo ranks, Softmax 60x10, d = 610); rounds 1..{args.rounds}")
-    head = f"{'algorithm':<16}" + "".join(f"{f'{n} clients/rank (rank 0 | rank 1)':>48}" for n in per_rank)
+    head = f"{'algorithm':<16}" + "".join(f"{f'{n} clients/rank (rank 0 | rank 1)':>52}" for n in per_rank)
     print(head + "  constant? (all rounds / from round 2)")
     rows = []
     for name in ALGORITHMS:
@@ -140,7 +140,7 @@ def main() -> None:
             cells.append(f"{' '.join(f'{b / 1e3:.1f}' for b in r0)} | {' '.join(f'{b / 1e3:.1f}' for b in r1)} kB")
             constant &= table[name][n] == base
             later &= [r[1:] for r in table[name][n]] == [r[1:] for r in base]
-        print(f"{name:<16}" + "".join(f"{c:>48}" for c in cells)
+        print(f"{name:<16}" + "".join(f"{c:>52}" for c in cells)
               + f"  {'yes' if constant else 'no'} / {'yes' if later else 'no'}")
         rows.append({"algorithm": name, "bytes_per_round": {str(n): table[name][n] for n in per_rank},
                      "constant_in_clients_per_rank": constant, "constant_from_round_2": later})
