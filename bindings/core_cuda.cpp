@@ -81,7 +81,8 @@ bool is_f64(const std::string& dtype, const std::string& op) {
 }
 
 void check(cudaError_t err, const std::string& op) {
-    if (err != cudaSuccess) throw std::runtime_error(op + ": CUDA error: " + cudaGetErrorString(err));
+    if (err != cudaSuccess)
+        throw std::runtime_error(op + ": CUDA error " + cudaGetErrorName(err) + ": " + cudaGetErrorString(err));
 }
 
 // ---- k-means ------------------------------------------------------------------------------
@@ -305,6 +306,30 @@ int device_count() {
     return n;
 }
 
+// What the CUDA runtime says about the machine: the device count, or the reason there is none
+// (no driver, a driver older than this module's runtime, ...), and the driver and runtime
+// versions. pflcore.backend turns it into the cuda backend's status.
+py::dict runtime_status() {
+    py::dict out;
+    int n = 0, driver = 0, runtime = 0;
+    const cudaError_t err = cudaGetDeviceCount(&n);
+    out["device_count"] = err == cudaSuccess ? n : 0;
+    out["error"] = err == cudaSuccess ? std::string() : std::string(cudaGetErrorName(err)) + ": " +
+                                                           cudaGetErrorString(err);
+    if (err != cudaSuccess) cudaGetLastError();  // not sticky: clear it for later calls
+    if (cudaDriverGetVersion(&driver) != cudaSuccess) {
+        cudaGetLastError();
+        driver = -1;
+    }
+    if (cudaRuntimeGetVersion(&runtime) != cudaSuccess) {
+        cudaGetLastError();
+        runtime = -1;
+    }
+    out["driver_version"] = driver;    // 0: no driver installed
+    out["runtime_version"] = runtime;  // the (static) runtime this module was linked with
+    return out;
+}
+
 // Op names as pflcore.backend.select() asks for them ("anderson": push, mix and gram; the
 // small solve runs on the host).
 constexpr const char* kOps[] = {"local_steps", "gradients", "evaluate", "kmeans_assign", "kmeans_update",
@@ -377,6 +402,9 @@ PYBIND11_MODULE(_core_cuda, m) {
           py::arg("stream"), "G [k, k] float64 <- Gram matrix of vecs [k, D] (deterministic float64 sums).");
     m.def("device_count", &device_count,
           "Number of visible CUDA devices; 0 when there is none or no usable driver.");
+    m.def("runtime_status", &runtime_status,
+          "Dict with device_count, error (why cudaGetDeviceCount failed, '' if it did not), "
+          "driver_version (0 = no driver) and runtime_version.");
     m.def("build_info", &build_info,
           "Dict with cuda_runtime_version (int, -1 on error), architectures (the CUDA "
           "architectures compiled for), ops (the op names this module implements) and max_classes "

@@ -24,7 +24,7 @@ import contextlib
 import contextvars
 import importlib
 import os
-from typing import Dict, Iterator, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 BACKENDS = ("native", "cuda", "triton", "reference")
 
@@ -55,18 +55,20 @@ def _load(name: str) -> Tuple[Optional[object], str]:
     if name in _COMPILED:
         try:
             module = importlib.import_module(_COMPILED[name])
-        except ImportError as exc:
+        except ModuleNotFoundError as exc:
+            if exc.name != _COMPILED[name]:
+                raise  # a dependency of pflcore itself is missing: not a backend question
             if name == "cuda":
                 reason = ("not built: the CUDA module is compiled only when nvcc is found at "
-                          "install time (or PFLCORE_CUDA=ON); reinstall with nvcc on PATH "
-                          f"({exc})")
+                          "install time (or PFLCORE_CUDA=ON); reinstall with nvcc on PATH")
             else:
                 reason = ("not built: pflcore._core is missing from this installation; "
-                          f"reinstall with `pip install .` from the source tree ({exc})")
+                          "reinstall with `pip install .` from the source tree")
+        except (ImportError, OSError) as exc:  # the file is there but does not load
+            reason = (f"built, but {_COMPILED[name]} failed to load ({type(exc).__name__}: {exc}); "
+                      f"rebuild it against this Python and torch (`pip install .`)")
         if module is not None and name == "cuda":
-            if module.device_count() == 0:
-                reason = "built, but no CUDA device is visible to the CUDA runtime"
-                module = None
+            module, reason = _cuda_usable(module)
     elif name == "triton":
         module, reason = _load_triton()
     else:  # reference
@@ -75,6 +77,61 @@ def _load(name: str) -> Tuple[Optional[object], str]:
         module, reason = torch, f"pure torch {torch.__version__}"
     _loaded[name] = (module, reason)
     return module, reason
+
+
+def _archs(module) -> List[int]:
+    """Compute capabilities (major*10 + minor) the CUDA module has code for."""
+    out = []
+    for a in str(module.build_info()["architectures"]).replace(";", ",").split(","):
+        digits = "".join(ch for ch in a if ch.isdigit())
+        if digits:
+            out.append(int(digits))
+    return out
+
+
+def _cuda_usable(module) -> Tuple[Optional[object], str]:
+    """(module, "") when the runtime sees a device the module has code for, else (None, why)."""
+    if hasattr(module, "runtime_status"):
+        rt = module.runtime_status()
+    else:  # a module built before runtime_status existed
+        rt = {"device_count": module.device_count(), "error": "", "driver_version": -1}
+    if rt["device_count"] == 0:
+        if rt["driver_version"] == 0:
+            return None, "built, but no NVIDIA driver is installed on this machine"
+        if rt["error"]:
+            hint = (f" (driver {rt['driver_version']} is older than the CUDA runtime "
+                    f"{rt.get('runtime_version', '?')} the module was built with: update the driver or "
+                    f"rebuild with an older toolkit)" if "InsufficientDriver" in rt["error"] else "")
+            return None, f"built, but the CUDA runtime finds no usable device: {rt['error']}{hint}"
+        return None, "built, but no CUDA device is visible to the CUDA runtime"
+    archs = _archs(module)
+    if archs:
+        import torch
+
+        caps = [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
+        if caps and all(c[0] * 10 + c[1] < min(archs) for c in caps):
+            return None, (f"built for compute capability {', '.join(str(a) for a in archs)}, but the "
+                          f"devices have {', '.join(f'{c[0]}.{c[1]}' for c in caps)} (below "
+                          f"{min(archs) // 10}.{min(archs) % 10}): rebuild with "
+                          f"CMAKE_CUDA_ARCHITECTURES set for them")
+    return module, ""
+
+
+def devices() -> List[str]:
+    """One line per CUDA device torch sees (for ``pflcore info``), or why there is none."""
+    import torch
+
+    if not torch.cuda.is_available():
+        why = ("this torch is a CPU-only build" if torch.version.cuda is None
+               else f"torch (CUDA {torch.version.cuda}) sees no device or no driver")
+        return [f"no CUDA device: {why}"]
+    lines = []
+    for i in range(torch.cuda.device_count()):
+        prop = torch.cuda.get_device_properties(i)
+        lines.append(f"cuda:{i} {prop.name}, compute capability {prop.major}.{prop.minor}, "
+                     f"{prop.total_memory / 2**30:.1f} GiB, {prop.multi_processor_count} SMs "
+                     f"(torch CUDA {torch.version.cuda})")
+    return lines
 
 
 def _load_triton() -> Tuple[Optional[object], str]:
@@ -130,8 +187,10 @@ def status() -> Dict[str, Tuple[bool, str]]:
                 reason = (f"C++/OpenMP, {info['openmp_max_threads']} threads, "
                           f"{info.get('compiler', '?')}, {info['arch_flags'] or 'generic arch'}")
             else:
-                reason = (f"CUDA runtime {info['cuda_runtime_version']}, architectures "
-                          f"{info['architectures']}, ops: {', '.join(info['ops'])}")
+                driver = module.runtime_status()["driver_version"] if hasattr(module, "runtime_status") else -1
+                reason = (f"CUDA runtime {info['cuda_runtime_version']}, driver {driver}, architectures "
+                          f"{info['architectures']}, ops: {', '.join(info['ops'])}, GLM classes up to "
+                          f"{info['max_classes'][0]} (float32) / {info['max_classes'][1]} (float64)")
         out[name] = (module is not None, reason)
     return out
 
@@ -159,8 +218,15 @@ def use(name: str) -> Iterator[None]:
         _forced.reset(token)
 
 
-def select(op: str, device) -> Tuple[str, object]:
-    """(backend name, module) that runs ``op`` on tensors of ``device``."""
+Limit = Callable[[str, object], Optional[str]]
+
+
+def select(op: str, device, limit: Optional[Limit] = None) -> Tuple[str, object]:
+    """(backend name, module) that runs ``op`` on tensors of ``device``.
+
+    ``limit(name, module)``, when given, returns why backend ``name`` cannot take this call's
+    arguments (e.g. more classes than a kernel holds), or None: the automatic choice then
+    goes on to the next backend in the order, a backend requested by name raises."""
     dev = device.type
     if dev not in _AUTO_ORDER:
         raise ValueError(f"{op}: tensors on device {dev!r} are not served by any backend "
@@ -176,11 +242,16 @@ def select(op: str, device) -> Tuple[str, object]:
         ops = ops_of(name)
         if "*" not in ops and op not in ops:
             raise BackendUnavailable(f"{op}: backend {name!r} was requested but does not implement {op}")
+        why = limit(name, module) if limit is not None else None
+        if why:
+            raise BackendUnavailable(f"{op}: backend {name!r} was requested but cannot take these arguments: {why}")
         return name, module
     for name in _AUTO_ORDER[dev]:
         module, _ = _load(name)
         if name == "triton" and module is not None and module.INTERPRETED:
             continue  # the interpreter is for tests: only ever used by name
         if module is not None and ("*" in ops_of(name) or op in ops_of(name)):
+            if limit is not None and limit(name, module):
+                continue  # e.g. too many classes for the CUDA kernels: the next backend takes it
             return name, module
     raise AssertionError("unreachable: the reference backend serves every op")  # pragma: no cover

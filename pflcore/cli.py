@@ -29,6 +29,9 @@ def _info(_args) -> int:
     print("backends:")
     for name, (ok, detail) in backend.status().items():
         print(f"  {name:<10} {'yes' if ok else 'no ':<4} {detail}")
+    print("devices:")
+    for line in backend.devices():
+        print(f"  {line}")
     import torch.distributed as dist
 
     if dist.is_available():

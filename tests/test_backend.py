@@ -89,4 +89,5 @@ def test_cuda_module_was_built_where_nvcc_exists():
     assert info["architectures"] == "80,90"
     if not torch.cuda.is_available():
         assert mod.device_count() == 0
-        assert backend.status()["cuda"] == (False, "built, but no CUDA device is visible to the CUDA runtime")
+        ok, why = backend.status()["cuda"]
+        assert not ok and why.startswith("built, but"), why

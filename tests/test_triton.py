@@ -9,6 +9,7 @@ C ∈ {1, 2, 10}, both dtypes. Tolerances: conftest.TOL (rounding of differently
 from __future__ import annotations
 
 import importlib
+import inspect
 import sys
 
 import numpy as np
@@ -20,6 +21,8 @@ from pflcore import backend, ops
 
 pytest.importorskip("triton", reason="the triton extra is not installed: pip install 'pflcore[triton]'")
 tt = importlib.import_module("pflcore.triton")
+triton = importlib.import_module("triton")
+tl = importlib.import_module("triton.language")
 DEV = torch.device("cpu") if tt.INTERPRETED else torch.device("cuda")
 if DEV.type == "cuda" and not torch.cuda.is_available():  # pragma: no cover - guarded by conftest
     pytest.skip("Triton compiled for a GPU, but there is none", allow_module_level=True)
@@ -227,6 +230,29 @@ def test_anderson_weights_and_a_run_match_reference(use_triton):
     with backend.use("reference"):
         want = run()
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+@triton.jit
+def _row_offset_probe(out_ptr, row, width):
+    tl.store(out_ptr, tt._util.row_offset(row, width))
+
+
+@pytest.mark.parametrize("row,width", [(1, 2**30), (3, 2**30), (5, 500_000_000), (2, 7)])
+def test_row_offset_is_int64_past_2_31(row, width):
+    """Regression: the Anderson kernels computed ``slot * D`` in int32 (both arguments below
+    2**31 arrive as int32), so with memory + 1 slots of D entries past 2**31 elements in all
+    they read and wrote the wrong row. Every row offset now goes through ``row_offset``; a
+    history that large (>= 8 GiB) does not fit this test, the offset itself does."""
+    out = torch.zeros(1, dtype=torch.int64, device=DEV)
+    _row_offset_probe[(1,)](out, row, width)
+    assert int(out) == row * width
+
+
+def test_anderson_kernels_take_row_offsets_in_int64():
+    """The kernels whose offsets the probe above checks use it for every row of the history."""
+    src = inspect.getsource(tt.anderson)
+    assert "slot * D" not in src and "sj * D" not in src
+    assert src.count("row_offset(") >= 4
 
 
 # ---- dispatch -------------------------------------------------------------------------------

@@ -14,8 +14,11 @@
 //  2. gradient: thread e owns parameters e, e + kThreads, ...: G[k, c] += Σ_{t<nt} x_t[k]·dz_t[c]
 //     with t ascending, so every sum has a fixed order: no atomics, bitwise deterministic.
 // W and G live in shared memory when 2·d values fit (loaded once, stored once); otherwise W is
-// the row of theta itself (updated in place) and G a global scratch row. Memory written by one
-// phase and read by another is always separated by __syncthreads().
+// the row of theta itself (updated in place) and G a global scratch row of the block: scratch
+// is [gridDim.x, d], block b uses row b for every model row it takes (grid stride), so the
+// launch caps the grid at the blocks that can be resident at once and the scratch stays
+// O(resident blocks · d), not O(R · d). Memory written by one phase and read by another is
+// always separated by __syncthreads().
 
 #include <cuda_runtime.h>
 
@@ -34,6 +37,7 @@ constexpr int kClassGroup = 8;                    // logits per pass over a row'
 constexpr int64_t kChunkScratchBytes = 16 * 1024; // z and dz of one chunk: 2·nt·C values at most
 constexpr int64_t kDefaultSmem = 48 * 1024;       // above this a kernel must opt in
 constexpr unsigned kFullMask = 0xffffffffu;
+constexpr int64_t kMaxGrid = 0x7fffffff;        // gridDim.x limit
 
 enum Mode : int { kLocalSteps = 0, kGradients = 1, kEvaluate = 2 };
 
@@ -48,7 +52,7 @@ struct GlmArgs {
     const int64_t* rows;       // [R] client of each model row
     int64_t R;
     T* theta;                  // [R, d]; written only by local steps
-    T* scratch;                // [R, d] gradient sums when W, G are not in shared memory (local steps)
+    T* scratch;                // [gridDim.x, d] gradient sums of each block when W, G are not in shared memory
     T* out;                    // [R, d] gradients
     const int32_t* batches;    // [R, steps, B] (local steps) or [R, B] (gradients); null = full batch
     int64_t B;
@@ -101,7 +105,7 @@ __global__ void __launch_bounds__(kThreads) glm_kernel(const GlmArgs<T> a) {
         const int64_t nb = a.batches ? a.B : n;
         T* theta_r = a.theta + r * d;
         T* W = theta_r;  // read-only unless M == kLocalSteps
-        T* G = M == kGradients ? a.out + r * d : (a.scratch ? a.scratch + r * d : nullptr);
+        T* G = M == kGradients ? a.out + r * d : (a.scratch ? a.scratch + int64_t(blockIdx.x) * d : nullptr);
         if (a.params_in_smem) {
             W = reinterpret_cast<T*>(smem + L.W);
             G = reinterpret_cast<T*>(smem + L.G);
@@ -219,16 +223,25 @@ cudaError_t launch_family(GlmArgs<T> a, cudaStream_t stream) {
                                    static_cast<int>(smem));
         if (err != cudaSuccess) return err;
     }
+    int64_t grid = a.R < kMaxGrid ? a.R : kMaxGrid;  // gridDim.x limit; the kernel grid-strides past it
     a.scratch = nullptr;
-    if (M == kLocalSteps && !a.params_in_smem) {  // G in a global scratch [R, d], stream-ordered
+    if (M == kLocalSteps && !a.params_in_smem) {  // G in a global scratch [grid, d], stream-ordered
+        // One scratch row per block: the grid is capped at the blocks resident at once (more
+        // would only queue), so the scratch is bounded by the device, not by R.
+        int sms = 0, per_sm = 0;
+        err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+        if (err != cudaSuccess) return err;
+        err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, glm_kernel<F, T, M>, kThreads,
+                                                            static_cast<size_t>(smem));
+        if (err != cudaSuccess) return err;
+        const int64_t resident = int64_t(sms) * (per_sm > 0 ? per_sm : 1);
+        if (grid > resident) grid = resident;
         void* buf = nullptr;
-        err = cudaMallocAsync(&buf, static_cast<size_t>(a.R * d * tsize), stream);
+        err = cudaMallocAsync(&buf, static_cast<size_t>(grid * d * tsize), stream);
         if (err != cudaSuccess) return err;
         a.scratch = static_cast<T*>(buf);
     }
-    const int64_t max_grid = 0x7fffffff;  // gridDim.x limit; the kernel grid-strides past it
-    const unsigned grid = static_cast<unsigned>(a.R < max_grid ? a.R : max_grid);
-    glm_kernel<F, T, M><<<grid, kThreads, static_cast<size_t>(smem), stream>>>(a);
+    glm_kernel<F, T, M><<<static_cast<unsigned>(grid), kThreads, static_cast<size_t>(smem), stream>>>(a);
     err = cudaGetLastError();
     if (a.scratch) {
         const cudaError_t free_err = cudaFreeAsync(a.scratch, stream);

@@ -87,7 +87,8 @@ def anderson_weights(residuals, reg: float = 1e-8):
         module.gram(R, G)
     else:  # cuda
         with torch.cuda.device(R.device):
-            module.gram(_cuda.ptr(R), k, R.shape[1], _cuda.ptr(G), _cuda.dtype_name(R), _cuda.stream(R))
+            _cuda.launch("anderson_weights", module.gram, _cuda.ptr(R, "residuals", R.device, R.dtype), k,
+                         R.shape[1], _cuda.ptr(G, "G", R.device, torch.float64), _cuda.dtype_name(R), _cuda.stream(R))
     return out_like(_solve(G.cpu(), reg, name, module).to(R.device), is_np)
 
 
@@ -188,10 +189,14 @@ class Anderson:
             if name == "triton":
                 module.anderson_push(uf, tuf, self._R, self._TU, slot, slots, dots_dev)
             else:
-                with torch.cuda.device(uf.device):
-                    module.anderson_push(_cuda.ptr(uf), _cuda.ptr(tuf), _cuda.ptr(self._R), _cuda.ptr(self._TU),
-                                         uf.numel(), slot, _cuda.ptr(slots), len(order), _cuda.ptr(dots_dev),
-                                         _cuda.dtype_name(uf), _cuda.stream(uf))
+                dev, dt = uf.device, uf.dtype
+                with torch.cuda.device(dev):
+                    _cuda.launch("Anderson.step", module.anderson_push, _cuda.ptr(uf, "u", dev, dt),
+                                 _cuda.ptr(tuf, "tu", dev, dt), _cuda.ptr(self._R, "residual history", dev, dt),
+                                 _cuda.ptr(self._TU, "image history", dev, dt), uf.numel(), slot,
+                                 _cuda.ptr(slots, "slots", dev, torch.int64), len(order),
+                                 _cuda.ptr(dots_dev, "dots", dev, torch.float64), _cuda.dtype_name(uf),
+                                 _cuda.stream(uf))
             dots = dots_dev.cpu()
         if reduce is not None:
             dots = reduce(dots)
@@ -228,9 +233,12 @@ class Anderson:
             if name == "triton":
                 module.anderson_mix(self._TU, slots, pi_dev, out)
             else:
-                with torch.cuda.device(uf.device):
-                    module.anderson_mix(_cuda.ptr(self._TU), uf.numel(), _cuda.ptr(slots), _cuda.ptr(pi_dev),
-                                        len(order), _cuda.ptr(out), _cuda.dtype_name(uf), _cuda.stream(uf))
+                dev = uf.device
+                with torch.cuda.device(dev):
+                    _cuda.launch("Anderson.step", module.anderson_mix, _cuda.ptr(self._TU, "image history", dev, uf.dtype),
+                                 uf.numel(), _cuda.ptr(slots, "slots", dev, torch.int64),
+                                 _cuda.ptr(pi_dev, "pi", dev, torch.float64), len(order),
+                                 _cuda.ptr(out, "out", dev, uf.dtype), _cuda.dtype_name(uf), _cuda.stream(uf))
         self._last_norm = norm
         return out_like(out.view(self._shape), is_np)
 

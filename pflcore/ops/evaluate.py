@@ -16,7 +16,7 @@ def evaluate(model, theta, data, *, rows=None):
         return _nets.evaluate(model, theta, data, rows=rows)
     theta_t, is_np, rows_t = _glm.validate(model, theta, data, rows)
     theta_t = theta_t.contiguous()
-    name, module = backend.select("evaluate", theta_t.device)
+    name, module = backend.select("evaluate", theta_t.device, _cuda.glm_limit(model, theta_t.dtype))
     if name == "reference":
         loss, correct, count = evaluate_ref(model, theta_t, data, rows=rows_t)
     else:
@@ -28,8 +28,10 @@ def evaluate(model, theta, data, *, rows=None):
             module.evaluate(model, theta_t, data, rows_t, loss, correct, count)
         elif name == "cuda":
             with torch.cuda.device(dev):
-                module.evaluate(*_cuda.glm_args(model, theta_t, data, rows_t), _cuda.ptr(loss), _cuda.ptr(correct),
-                                _cuda.ptr(count), _cuda.dtype_name(theta_t), _cuda.stream(theta_t))
+                _cuda.launch("evaluate", module.evaluate, *_cuda.glm_args(model, theta_t, data, rows_t),
+                             _cuda.ptr(loss, "loss", dev, theta_t.dtype), _cuda.ptr(correct, "correct", dev, torch.int64),
+                             _cuda.ptr(count, "count", dev, torch.int64), _cuda.dtype_name(theta_t),
+                             _cuda.stream(theta_t))
         else:
             module.evaluate(*_glm.native_args(model, theta_t, data, rows_t), cpu_numpy(loss),
                             cpu_numpy(correct), cpu_numpy(count))

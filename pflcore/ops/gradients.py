@@ -30,7 +30,7 @@ def gradients(model, theta, data, *, rows=None, batches=None):
     theta_t, is_np, rows_t = _glm.validate(model, theta, data, rows)
     theta_t = theta_t.contiguous()
     batches_t = _validate_batches(batches, data, rows_t, theta_t.shape[0])
-    name, module = backend.select("gradients", theta_t.device)
+    name, module = backend.select("gradients", theta_t.device, _cuda.glm_limit(model, theta_t.dtype))
     if name == "reference":
         out = gradients_ref(model, theta_t, data, rows=rows_t, batches=batches_t)
     elif name == "triton":
@@ -38,10 +38,12 @@ def gradients(model, theta, data, *, rows=None, batches=None):
         module.gradients(model, theta_t, data, rows_t, batches_t, out)
     elif name == "cuda":
         out = torch.empty_like(theta_t)
-        with torch.cuda.device(theta_t.device):
-            module.gradients(*_cuda.glm_args(model, theta_t, data, rows_t), _cuda.ptr(batches_t),
-                             0 if batches_t is None else batches_t.shape[1], _cuda.ptr(out),
-                             _cuda.dtype_name(theta_t), _cuda.stream(theta_t))
+        dev = theta_t.device
+        with torch.cuda.device(dev):
+            _cuda.launch("gradients", module.gradients, *_cuda.glm_args(model, theta_t, data, rows_t),
+                         _cuda.ptr(batches_t, "batches", dev, torch.int32),
+                         0 if batches_t is None else batches_t.shape[1], _cuda.ptr(out, "out", dev, theta_t.dtype),
+                         _cuda.dtype_name(theta_t), _cuda.stream(theta_t))
     else:
         out = torch.empty_like(theta_t)
         module.gradients(*_glm.native_args(model, theta_t, data, rows_t),

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from pflcore import backend
+from pflcore.ops import _cuda
 from pflcore.ops._checks import (as_tensor, check_device, check_finite, check_float, check_positive_int,
                                  check_real, check_shape, cpu_numpy, out_like)
 
@@ -55,11 +56,12 @@ def _assign(points: torch.Tensor, centroids: torch.Tensor):
     elif name == "triton":
         module.kmeans_assign(points, centroids, labels, sqdist)
     else:  # cuda: raw device pointers on the current stream of the tensors' device
-        with torch.cuda.device(points.device):
-            stream = torch.cuda.current_stream(points.device).cuda_stream
-            module.kmeans_assign(points.data_ptr(), centroids.data_ptr(), labels.data_ptr(),
-                                 sqdist.data_ptr(), N, centroids.shape[0], points.shape[1],
-                                 str(points.dtype).replace("torch.", ""), stream)
+        dev, dt = points.device, points.dtype
+        with torch.cuda.device(dev):
+            _cuda.launch("kmeans_assign", module.kmeans_assign, _cuda.ptr(points, "points", dev, dt),
+                         _cuda.ptr(centroids, "centroids", dev, dt), _cuda.ptr(labels, "labels", dev, torch.int64),
+                         _cuda.ptr(sqdist, "sqdist", dev, dt), N, centroids.shape[0], points.shape[1],
+                         _cuda.dtype_name(points), _cuda.stream(points))
     return labels, sqdist
 
 
@@ -109,12 +111,13 @@ def _update(points, labels, weights, centroids) -> torch.Tensor:
         if name == "triton":
             module.kmeans_update(points, order, seg, weights, centroids, wsum)
         else:
-            with torch.cuda.device(points.device):
-                module.kmeans_update(points.data_ptr(), order.data_ptr(), seg.data_ptr(),
-                                     0 if weights is None else weights.data_ptr(), centroids.data_ptr(),
-                                     wsum.data_ptr(), points.shape[0], K, points.shape[1],
-                                     str(points.dtype).replace("torch.", ""),
-                                     torch.cuda.current_stream(points.device).cuda_stream)
+            dev, dt = points.device, points.dtype
+            with torch.cuda.device(dev):
+                _cuda.launch("kmeans_update", module.kmeans_update, _cuda.ptr(points, "points", dev, dt),
+                             _cuda.ptr(order, "order", dev, torch.int64), _cuda.ptr(seg, "seg", dev, torch.int64),
+                             _cuda.ptr(weights, "weights", dev, dt), _cuda.ptr(centroids, "centroids", dev, dt),
+                             _cuda.ptr(wsum, "wsum", dev, torch.float64), points.shape[0], K, points.shape[1],
+                             _cuda.dtype_name(points), _cuda.stream(points))
     return wsum
 
 

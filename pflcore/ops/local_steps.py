@@ -72,18 +72,21 @@ def local_steps(model, theta, data, *, steps, lr, prox=0.0, anchor=None, batches
                                  batches=batches, rows=rows, grad_scale=grad_scale)
     (theta_t, is_np, rows_t, steps, lr, prox, anchor_t, batches_t,
      grad_scale_t) = _validate(model, theta, data, steps, lr, prox, anchor, batches, rows, grad_scale)
-    name, module = backend.select("local_steps", theta_t.device)
+    name, module = backend.select("local_steps", theta_t.device, _cuda.glm_limit(model, theta_t.dtype))
     if name == "reference":
         local_steps_ref(model, theta_t, data, steps=steps, lr=lr, prox=prox, anchor=anchor_t,
                         batches=batches_t, rows=rows_t, grad_scale=grad_scale_t)
     elif name == "triton":
         module.local_steps(model, theta_t, data, rows_t, batches_t, anchor_t, grad_scale_t, steps, lr, prox)
     elif name == "cuda":
-        with torch.cuda.device(theta_t.device):
-            module.local_steps(*_cuda.glm_args(model, theta_t, data, rows_t), _cuda.ptr(batches_t),
-                               0 if batches_t is None else batches_t.shape[2], _cuda.ptr(anchor_t),
-                               anchor_t is not None and anchor_t.dim() == 1, _cuda.ptr(grad_scale_t), steps, lr,
-                               prox, _cuda.dtype_name(theta_t), _cuda.stream(theta_t))
+        dev, dt = theta_t.device, theta_t.dtype
+        with torch.cuda.device(dev):
+            _cuda.launch("local_steps", module.local_steps, *_cuda.glm_args(model, theta_t, data, rows_t),
+                         _cuda.ptr(batches_t, "batches", dev, torch.int32),
+                         0 if batches_t is None else batches_t.shape[2], _cuda.ptr(anchor_t, "anchor", dev, dt),
+                         anchor_t is not None and anchor_t.dim() == 1,
+                         _cuda.ptr(grad_scale_t, "grad_scale", dev, dt), steps, lr, prox, _cuda.dtype_name(theta_t),
+                         _cuda.stream(theta_t))
     else:
         opt = lambda t: None if t is None else cpu_numpy(t)  # noqa: E731
         module.local_steps(*_glm.native_args(model, theta_t, data, rows_t), opt(batches_t),

@@ -5,6 +5,8 @@ import contextlib
 import os
 
 import torch
+import triton
+import triton.language as tl
 
 
 def interpreting() -> bool:
@@ -34,3 +36,12 @@ def launch_device(t: torch.Tensor):
     if t.device.type == "cuda":
         return torch.cuda.device(t.device)
     return contextlib.nullcontext()
+
+
+@triton.jit
+def row_offset(row, width):
+    """``row · width`` as int64: the element offset of row ``row`` of a row-major [*, width]
+    array. Triton passes integer arguments below 2**31 as int32 and multiplies them in int32,
+    so ``slot * D`` wraps around once the history holds 2**31 entries; every row offset of a
+    kernel argument goes through here."""
+    return tl.cast(row, tl.int64) * width

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pflcore.triton._util import launch_device
+from pflcore.triton._util import launch_device, row_offset
 
 _BLOCK_D = 1024
 
@@ -39,17 +39,17 @@ def _dots_kernel(
         u = tl.load(u_ptr + e, mask=emask, other=0.0)
         tu = tl.load(tu_ptr + e, mask=emask, other=0.0)
         r = tu - u
-        tl.store(R_ptr + slot * D + e, r, mask=emask)
-        tl.store(TU_ptr + slot * D + e, tu, mask=emask)
+        tl.store(R_ptr + row_offset(slot, D) + e, r, mask=emask)
+        tl.store(TU_ptr + row_offset(slot, D) + e, tu, mask=emask)
     else:
         r = tl.load(u_ptr + e, mask=emask, other=0.0)
     r64 = r.to(tl.float64)
     for j in range(k):
         sj = tl.load(slots_ptr + j)
-        v = tl.load(R_ptr + sj * D + e, mask=emask, other=0.0)
+        v = tl.load(R_ptr + row_offset(sj, D) + e, mask=emask, other=0.0)
         if STORE:
             v = tl.where(sj == slot, r, v)  # the row just written, from registers
-        tl.store(partial_ptr + blk * k + j, tl.sum(v.to(tl.float64) * r64, axis=0))
+        tl.store(partial_ptr + row_offset(blk, k) + j, tl.sum(v.to(tl.float64) * r64, axis=0))
 
 
 @triton.jit
@@ -67,7 +67,7 @@ def _mix_kernel(
     for j in range(k):
         sj = tl.load(slots_ptr + j)
         w = tl.load(pi_ptr + j)
-        acc += w * tl.load(TU_ptr + sj * D + e, mask=emask, other=0.0).to(tl.float64)
+        acc += w * tl.load(TU_ptr + row_offset(sj, D) + e, mask=emask, other=0.0).to(tl.float64)
     tl.store(out_ptr + e, acc.to(out_ptr.dtype.element_ty), mask=emask)
 
 
