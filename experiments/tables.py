@@ -1,0 +1,193 @@
+"""Markdown tables of experiment results, shaped like Table 1 of the CGPFL and pFedMe papers.
+
+Reads the ``summary.json`` that ``pflcore run`` writes (one or several) and prints a Markdown
+table: one row per method, each cell the mean ± std over seeds (population std, as in the
+summary) of the final accuracy, in percent.
+
+    python experiments/tables.py experiments/results/cgpfl_synthetic_summary.json
+    python experiments/tables.py A_summary.json B_summary.json --out table.md
+    python experiments/tables.py lr0005.json=lr=0.005 lr01.json=lr=0.1    # one column group per file
+
+Layouts:
+
+* Plain (default when the method labels carry no model): columns "Accuracy" and "Global model".
+  "Accuracy" is the final personalized test accuracy, or, for a method with no personalized
+  model (FedAvg), its global model's, marked with †, as the papers do. "Global model" is the
+  global model's accuracy where the method has one (not CGPFL: its context models are not
+  averaged into one; IFCA's is the cluster-weighted mixture of its cluster models).
+* Method × model (automatic when every label ends in a model tag, "pFedMe (MLR)", "pFedMe (DNN)"):
+  rows are the methods, columns the models, as in the papers' "MNIST MLR | DNN" columns; the
+  global accuracies follow in a second block of columns ("GM").
+
+Several summaries given without a column name are concatenated (an experiment run in parts with
+``--algo``); with ``FILE=NAME`` each file becomes its own group of columns headed NAME.
+Rows follow the order of the papers' tables where the method is one of theirs, then the order of
+the files. The best accuracy of each column is in bold.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from typing import Dict, List, Optional, Tuple
+
+# Row order of the CGPFL paper's Table 1 (then pFedMe's extra rows); labels are matched on
+# their method name, before any " (...)" tag.
+PAPER_ORDER = ["FedAvg", "IFCA", "L2SGD", "APFL", "pFedMe", "Per-FedAvg", "Ditto", "CGPFL", "CGPFL-Heur",
+               "FedProx", "LocalTrain"]
+MODEL_TAGS = ("MLR", "DNN", "CNN", "MLP")
+TAG = re.compile(r"^(?P<method>.*?)\s*\((?P<tag>[^()]*)\)\s*$")
+
+
+def split_label(label: str) -> Tuple[str, Optional[str]]:
+    """("Per-FedAvg HF", "DNN") for "Per-FedAvg HF (DNN)"; (label, None) without a model tag."""
+    m = TAG.match(label)
+    if m and m.group("tag").strip().upper() in MODEL_TAGS:
+        return m.group("method").strip(), m.group("tag").strip().upper()
+    return label, None
+
+
+def order_key(method: str, first_seen: int) -> Tuple[int, int]:
+    base = method.split(" (")[0].split(" ")[0]
+    for i, name in enumerate(PAPER_ORDER):
+        if base.lower() == name.lower():
+            return (i, first_seen)
+    return (len(PAPER_ORDER), first_seen)
+
+
+def cell(mean: Optional[float], std: Optional[float], bold: bool = False, mark: str = "") -> str:
+    if mean is None:
+        return "–"
+    text = f"{100 * mean:.2f} ± {100 * (std or 0.0):.2f}{mark}"
+    return f"**{text}**" if bold else text
+
+
+def load(path: str) -> Dict:
+    with open(path) as fh:
+        summary = json.load(fh)
+    if "rows" not in summary:
+        raise SystemExit(f"{path}: not a pflcore summary (no 'rows'); expected the summary.json of `pflcore run`")
+    return summary
+
+
+def describe(summaries: List[Dict]) -> List[str]:
+    """Lines on what was run: name, rounds, seeds, clients per round, data, run time."""
+    lines = []
+    for s in summaries:
+        cfg = s.get("config", {})
+        data = cfg.get("data", {})
+        seeds = cfg.get("seeds", [0])
+        per_round = cfg.get("clients_per_round") or "all"
+        data_txt = ", ".join(f"{k} = {v}" for k, v in data.items())
+        algos = ", ".join(r["algorithm"] for r in s["rows"])
+        lines.append(f"- `{s.get('name')}`: {cfg.get('rounds')} rounds, clients per round: {per_round}, "
+                     f"{len(seeds)} seed(s) {seeds}, data: {data_txt}; methods: {algos} "
+                     f"({s.get('seconds', float('nan')):.0f} s of runs)")
+    return lines
+
+
+def table(groups: List[Tuple[Optional[str], List[Dict]]]) -> str:
+    """Markdown for column groups [(name or None, [summary, ...])]."""
+    # entries[(method, model)][group] = row
+    entries: Dict[Tuple[str, Optional[str]], Dict[int, Dict]] = {}
+    first: Dict[str, int] = {}
+    models: List[Optional[str]] = []
+    for g, (_, summaries) in enumerate(groups):
+        for s in summaries:
+            for row in s["rows"]:
+                method, model = split_label(row["algorithm"])
+                first.setdefault(method, len(first))
+                if model not in models:
+                    models.append(model)
+                entries.setdefault((method, model), {})[g] = row
+    if None in models and len(models) > 1:  # a mixture: keep full labels, one "model" column
+        entries2: Dict[Tuple[str, Optional[str]], Dict[int, Dict]] = {}
+        for (method, model), v in entries.items():
+            label = method if model is None else f"{method} ({model})"
+            first.setdefault(label, len(first))
+            entries2[(label, None)] = v
+        entries, models = entries2, [None]
+    methods = sorted({m for m, _ in entries}, key=lambda m: order_key(m, first[m]))
+
+    def pers(row):  # (mean, std, mark): personalized accuracy, else the global model's (†)
+        if row.get("personalized_acc") is not None:
+            return row["personalized_acc"], row.get("personalized_acc_std"), ""
+        if row.get("global_acc") is not None:
+            return row["global_acc"], row.get("global_acc_std"), " †"
+        return None, None, ""
+
+    def glob(row):
+        return row.get("global_acc"), row.get("global_acc_std"), ""
+
+    # Columns: (header, group index, model, getter)
+    cols = []
+    multi = len(groups) > 1
+    for g, (name, _) in enumerate(groups):
+        prefix = f"{name}: " if multi and name else ""
+        for model in models:
+            head = "Accuracy (%)" if model is None else model
+            cols.append((prefix + head, g, model, pers))
+        has_global = any(entries.get((m, model), {}).get(g, {}).get("global_acc") is not None
+                         for m in methods for model in models)
+        if has_global:
+            for model in models:
+                head = "Global model (%)" if model is None else f"{model} GM"
+                cols.append((prefix + head, g, model, glob))
+    values = [[getter(entries[(m, model)][g]) if g in entries.get((m, model), {}) else (None, None, "")
+               for (_, g, model, getter) in cols] for m in methods]
+    best = []
+    for j in range(len(cols)):
+        col = [v[j][0] for v in values if v[j][0] is not None]
+        best.append(max(col) if col else None)
+    out = ["| Method | " + " | ".join(c[0] for c in cols) + " |",
+           "|---|" + "|".join("---:" for _ in cols) + "|"]
+    for m, vals in zip(methods, values):
+        cells = [cell(mean, std, bold=(mean is not None and mean == best[j]), mark=mark)
+                 for j, (mean, std, mark) in enumerate(vals)]
+        out.append(f"| {m} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("summaries", nargs="+", help="summary JSON files; FILE=NAME makes NAME a column group")
+    ap.add_argument("--out", help="also write the Markdown here")
+    ap.add_argument("--title", help="a heading above the table")
+    ap.add_argument("--note", action="append", default=[], help="a line of text under the table (repeatable)")
+    args = ap.parse_args(argv)
+
+    groups: List[Tuple[Optional[str], List[Dict]]] = []
+    all_summaries = []
+    for item in args.summaries:
+        path, _, name = item.partition("=") if not os.path.exists(item) else (item, "", "")
+        s = load(path)
+        all_summaries.append(s)
+        if name:
+            groups.append((name, [s]))
+        elif groups and groups[-1][0] is None:
+            groups[-1][1].append(s)
+        else:
+            groups.append((None, [s]))
+    seeds = sorted({len(s.get("config", {}).get("seeds", [0])) for s in all_summaries})
+    lines = []
+    if args.title:
+        lines += [f"## {args.title}", ""]
+    lines += [table(groups), ""]
+    lines.append(f"Final test accuracy (%), mean ± std over {'/'.join(map(str, seeds))} seed(s) (population "
+                 "std); personalized models, or † the global model for a method without personalized "
+                 "ones. Bold: best of the column.")
+    lines += args.note
+    lines += ["", "Runs:"] + describe(all_summaries)
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write(text)
+        print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
