@@ -173,13 +173,29 @@ def test_devices_older_than_the_built_architectures_are_refused(monkeypatch):
 def test_a_failed_launch_names_the_op_and_the_way_around():
     def launch_fails(*args):
         raise RuntimeError("kmeans_assign: CUDA error cudaErrorNoKernelImageForDevice: no kernel image")
-    with pytest.raises(_cuda.CudaKernelError, match=r"^kmeans_assign: the CUDA backend failed \(kmeans_assign: "
+    with pytest.raises(_cuda.CudaKernelError, match=r"^kmeans_assign: the CUDA backend failed to launch its kernel \(kmeans_assign: "
                                                     r"CUDA error cudaErrorNoKernelImageForDevice.*"
                                                     r"PFLCORE_BACKEND=triton or =reference"):
         _cuda.launch("kmeans_assign", launch_fails, 1, 2)
     calls = []
     _cuda.launch("gram", lambda *a: calls.append(a), 1, 2)
     assert calls == [(1, 2)]
+
+
+def test_pflcore_cuda_sync_reports_a_failure_while_the_kernel_ran(monkeypatch):
+    syncs = []
+
+    def sync_fails():
+        syncs.append(1)
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    monkeypatch.setattr(torch.cuda, "synchronize", sync_fails)
+    _cuda.launch("local_steps", lambda *a: None)  # off by default: no synchronize
+    assert syncs == []
+    monkeypatch.setenv("PFLCORE_CUDA_SYNC", "1")
+    with pytest.raises(_cuda.CudaKernelError, match=r"^local_steps: the CUDA kernel failed while it ran "
+                                                    r"\(CUDA error: an illegal memory access"):
+        _cuda.launch("local_steps", lambda *a: None)
+    assert syncs == [1]
 
 
 def test_info_lists_the_devices():

@@ -8,6 +8,7 @@ failed launch into a ``CudaKernelError`` that says which op failed and how to av
 """
 from __future__ import annotations
 
+import os
 from typing import Callable, Optional
 
 import torch
@@ -47,14 +48,26 @@ def stream(t: torch.Tensor) -> int:
     return torch.cuda.current_stream(t.device).cuda_stream
 
 
+_HINT = ("Run `pflcore info` to see the device and the architectures the module was built for; "
+         "PFLCORE_BACKEND=triton or =reference runs the op without it")
+
+
 def launch(op: str, fn: Callable, *args) -> None:
-    """``fn(*args)`` (a binding of pflcore._core_cuda) with its failure explained."""
+    """``fn(*args)`` (a binding of pflcore._core_cuda) with its failure explained.
+
+    Kernels run asynchronously: an error while one runs (not at its launch) surfaces at the
+    next synchronizing call, wherever that is. With PFLCORE_CUDA_SYNC=1 every launch is
+    followed by a synchronize, so such an error is reported here, naming the op (slow: for
+    debugging)."""
     try:
         fn(*args)
     except RuntimeError as exc:
-        raise CudaKernelError(f"{op}: the CUDA backend failed ({exc}). Run `pflcore info` to see the "
-                              f"device and the architectures the module was built for; "
-                              f"PFLCORE_BACKEND=triton or =reference runs the op without it") from exc
+        raise CudaKernelError(f"{op}: the CUDA backend failed to launch its kernel ({exc}). {_HINT}") from exc
+    if os.environ.get("PFLCORE_CUDA_SYNC", "") == "1":
+        try:
+            torch.cuda.synchronize()
+        except RuntimeError as exc:
+            raise CudaKernelError(f"{op}: the CUDA kernel failed while it ran ({exc}). {_HINT}") from exc
 
 
 def max_classes(module, dtype: torch.dtype) -> int:

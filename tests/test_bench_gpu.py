@@ -1,0 +1,45 @@
+"""bench/gpu.py without a GPU (its measurements need one): one command that exits 0 with a
+clear message, and the pass/fail logic of its table. `python bench/gpu.py --dry-run` runs
+every measurement's code path on the CPU (minutes under the Triton interpreter: not here)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+sys.path.insert(0, BENCH)
+import gpu_workloads as W  # noqa: E402
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the script measures (minutes)")
+def test_without_a_gpu_it_says_so_and_exits_0(tmp_path):
+    out = tmp_path / "gpu.json"
+    r = subprocess.run([sys.executable, os.path.join(BENCH, "gpu.py"), "--out", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "no CUDA device is visible to torch" in r.stdout and "--dry-run" in r.stdout
+    assert not out.exists(), "nothing measured, nothing written"
+
+
+def test_table_rows_apply_the_targets():
+    res = {"kernel_backend": "cuda",
+           "local_steps": [{"m": 10_000, "ref_clients": 200, "fraction_of_copy_bandwidth": 0.62,
+                            "speedup_vs_reference": 9.5, "triton_over_cuda_time": 1.3}],
+           "kmeans_assign": {"N": 100_000, "K": 64, "d": 7_850, "speedup_vs_cdist": 2.4},
+           "anderson": {"rows": 10_000, "d": 7_850}}
+    rows = {r["name"]: r for r in W.table_rows(res)}
+    assert rows["local_steps m=10,000: cuda bytes/s / copy bandwidth"]["pass"] is True
+    speed = [r for n, r in rows.items() if n.startswith("local_steps m=10,000: cuda speed-up")]
+    assert len(speed) == 1 and speed[0]["pass"] is False and speed[0]["target"] == 10.0
+    assert rows["kmeans_assign N=100,000 K=64 d=7,850: cuda speed-up vs cdist+argmin"]["pass"] is True
+    assert rows["kmeans_assign: triton time / cuda time"]["value"] is None  # not measured: n/a, no verdict
+    assert rows["kmeans_assign: triton time / cuda time"]["pass"] is None
+
+
+def test_local_steps_bytes_counts_k_passes_over_the_data():
+    # m = 2 clients, N = 10 rows, p = 3, d = 8, K = 4: 4·10·(12 + 8) + 2·2·8·4 + 8·4 + 3·8 + 2·8
+    assert W.local_steps_bytes(2, 10, 3, 8, 4) == 800 + 128 + 32 + 24 + 16
