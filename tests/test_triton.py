@@ -266,8 +266,8 @@ def test_triton_serves_cpu_tensors_only_by_name(monkeypatch):
     assert backend.select("local_steps", cpu)[0] == "native"  # the automatic order skips it
     with backend.use("triton"):
         assert backend.select("local_steps", cpu)[0] == "triton"
-        with pytest.raises(backend.BackendUnavailable, match="does not implement average"):
-            backend.select("average", cpu)
+        # an op triton has no kernel for runs on the reference, so whole runs can be forced
+        assert backend.select("average", cpu)[0] == "reference"
     monkeypatch.setenv("PFLCORE_BACKEND", "triton")
     assert backend.select("kmeans_assign", cpu)[0] == "triton"
     # and the dispatch really runs the Triton kernel: make it fail
