@@ -58,9 +58,11 @@ def order_key(method: str, first_seen: int) -> Tuple[int, int]:
 
 
 def cell(mean: Optional[float], std: Optional[float], bold: bool = False, mark: str = "") -> str:
+    """"mean ± std" in percent; the mean alone when std is None (one seed)."""
     if mean is None:
         return "–"
-    text = f"{100 * mean:.2f} ± {100 * (std or 0.0):.2f}{mark}"
+    spread = "" if std is None else f" ± {100 * std:.2f}"
+    text = f"{100 * mean:.2f}{spread}{mark}"
     return f"**{text}**" if bold else text
 
 
@@ -94,7 +96,9 @@ def table(groups: List[Tuple[Optional[str], List[Dict]]]) -> str:
     entries: Dict[Tuple[str, Optional[str]], Dict[int, Dict]] = {}
     first: Dict[str, int] = {}
     models: List[Optional[str]] = []
+    single: Dict[int, bool] = {}  # group -> every summary of it has one seed (no std shown)
     for g, (_, summaries) in enumerate(groups):
+        single[g] = all(len(s.get("config", {}).get("seeds", [0])) == 1 for s in summaries)
         for s in summaries:
             for row in s["rows"]:
                 method, model = split_label(row["algorithm"])
@@ -144,8 +148,8 @@ def table(groups: List[Tuple[Optional[str], List[Dict]]]) -> str:
     out = ["| Method | " + " | ".join(c[0] for c in cols) + " |",
            "|---|" + "|".join("---:" for _ in cols) + "|"]
     for m, vals in zip(methods, values):
-        cells = [cell(mean, std, bold=(mean is not None and mean == best[j]), mark=mark)
-                 for j, (mean, std, mark) in enumerate(vals)]
+        cells = [cell(mean, None if single[cols[j][1]] else std, bold=(mean is not None and mean == best[j]),
+                      mark=mark) for j, (mean, std, mark) in enumerate(vals)]
         out.append(f"| {m} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
@@ -175,17 +179,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.title:
         lines += [f"## {args.title}", ""]
     lines += [table(groups), ""]
-    lines.append(f"Final test accuracy (%), mean ± std over {'/'.join(map(str, seeds))} seed(s) (population "
-                 "std); personalized models, or † the global model for a method without personalized "
-                 "ones. Bold: best of the column.")
+    what = ("one seed" if seeds == [1] else
+            f"mean ± std over {'/'.join(map(str, seeds))} seeds (population std; one seed: the value alone)")
+    lines.append(f"Final test accuracy (%), {what}; personalized models, or † the global model for a method "
+                 "without personalized ones. Bold: best of the column.")
     lines += args.note
     lines += ["", "Runs:"] + describe(all_summaries)
     text = "\n".join(lines) + "\n"
-    print(text)
     if args.out:
         with open(args.out, "w") as fh:
             fh.write(text)
         print(f"wrote {args.out}", file=sys.stderr)
+    print(text)
     return 0
 
 
