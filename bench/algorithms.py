@@ -40,8 +40,9 @@ noisy timings).
 
 Run from the repository root:
 
-    python bench/algorithms.py              # default sizes, ~3 minutes on 2 cores
+    python bench/algorithms.py              # default sizes, all parts
     python bench/algorithms.py --quick      # m = 100 clients, loop on 20, a smoke run (~1 min)
+    python bench/algorithms.py --only pfedme_round_mlp    # one part; the others' entries are kept
 
 It prints a table (name, time, value, target, pass/fail) and writes all numbers, the machine
 and a timestamp to ``--out`` (default bench/results/algorithms.json).
@@ -49,6 +50,29 @@ and a timestamp to ``--out`` (default bench/results/algorithms.json).
 Also: the server-side cost of Anderson acceleration, as the share of an ``Accelerated(FedPi,
 memory=5)`` round on the same clients (all participating, state [m, d]) spent in
 ``Anderson.step`` (target <= 5%).
+
+Part ``pfedme_round_mlp``: the same pFedMe round (same clients, hyperparameters, minibatches and
+timing protocol) with the one-hidden-layer network ``MLP(60, 100, 10)`` (ReLU; d = 7,110) on the
+same 60-dimensional Synthetic(0.5, 0.5) inputs; the MNIST DNN ``MLP(784, 100, 10)`` is not used
+because 1,000 clients of the 5,000-image MNIST subset would hold 5 images each. Compared:
+
+  (a) pflcore's batched path for MLPs (``ops._nets.HAND_WRITTEN_MLP = True``, the default:
+      forward/backward of all clients of a chunk with ``torch.baddbmm``, the update fused into
+      the weight-gradient GEMM);
+  (a') pflcore's generic torch.func path (``HAND_WRITTEN_MLP = False``: ``vmap(grad(loss))``
+      over the clients of a chunk), reported as a second ratio;
+  (b) a per-client loop of one reused ``torch.nn`` module (``model.module()``, the same
+      nn.Sequential(Linear, ReLU, Linear)): parameters loaded per client with
+      ``vector_to_parameters``, autograd on ``F.cross_entropy``, the pFedMe optimizer's update
+      on every parameter tensor, exactly as in (b) above.
+
+Agreement of (a), (a') and (b) is checked as above (tolerance 1e-4; float32 GEMMs in a different
+order). Target (b)/(a) >= 5 on the CPU.
+
+Parts: ``--only pfedme_round`` / ``pfedme_round_mlp`` / ``anderson_share`` (repeatable; default
+all). The JSON at ``--out`` is updated, not replaced: the parts run now overwrite their own
+entries and the others are kept as they were, each part carrying its own ``measured`` record
+(timestamp, git commit, load average); ``table`` lists the rows of every part in the file.
 """
 from __future__ import annotations
 
@@ -67,7 +91,8 @@ import torch.nn.functional as F
 import pflcore
 from pflcore import backend
 from pflcore.algorithms import Context, PFedMe
-from pflcore.models import Softmax
+from pflcore.models import MLP, Softmax
+from pflcore.ops import _nets
 
 from kernels import best_of, machine_extra, passed, print_table  # same style and helpers
 
@@ -228,6 +253,155 @@ def bench(args, m):
         other_share=1 - (best["local_steps"] + best["batches"]) / best["round"])
 
 
+def torch_loop_net(ctx, w, t, clients, S, lam, lr, personal_lr, inner_steps, local_rounds, beta, batch_size,
+                   **_):
+    """(b) for a torch net of pflcore.models.nets: one reused ``model.module()``, autograd, the
+    pFedMe optimizer's update per parameter tensor. Returns (theta [n, d], w_local [n, d], new w
+    or None when S ⊄ clients) in pflcore's flat layout (the module's parameter order)."""
+    from torch.nn.utils import parameters_to_vector
+
+    def load(vec, tensors):  # copies (torch's vector_to_parameters would alias vec's storage)
+        o = 0
+        for q in tensors:
+            q.copy_(vec[o:o + q.numel()].view_as(q))
+            o += q.numel()
+
+    model, (x, y) = ctx.model, (ctx.train.x, ctx.train.y)
+    clients = torch.as_tensor(clients, dtype=torch.int64)
+    n = clients.numel()
+    idx = torch.stack([ctx.batches(t, r, clients, 1, batch_size)[:, 0] for r in range(local_rounds)], 1).long()
+    net = model.module(dtype=w.dtype)
+    params = list(net.parameters())
+    local = [torch.empty_like(q) for q in params]
+    theta_out, wloc_out = torch.empty(n, model.d, dtype=w.dtype), torch.empty(n, model.d, dtype=w.dtype)
+    for j in range(n):
+        with torch.no_grad():
+            load(w, params)          # θ ← w
+            load(w, local)           # w_i ← w
+        for r in range(local_rounds):
+            xb, yb = model.input_view(x[idx[j, r]]), y[idx[j, r]]
+            for _ in range(inner_steps):
+                net.zero_grad()
+                F.cross_entropy(net(xb), yb).backward()
+                with torch.no_grad():  # the pFedMe optimizer's step
+                    for prm, a in zip(params, local):
+                        prm.sub_(personal_lr * (prm.grad + lam * (prm - a)))
+            with torch.no_grad():
+                for prm, a in zip(params, local):
+                    a.sub_(lr * lam * (a - prm))
+        with torch.no_grad():
+            theta_out[j] = parameters_to_vector(params)
+            wloc_out[j] = torch.cat([a.reshape(-1) for a in local])
+    pos = {int(c): j for j, c in enumerate(clients)}
+    if not all(int(s) in pos for s in S):
+        return theta_out, wloc_out, None
+    pS = ctx.weights[S]
+    mean = (pS[:, None] * wloc_out[[pos[int(s)] for s in S]]).sum(0) / pS.sum()
+    return theta_out, wloc_out, (1 - beta) * w + beta * mean
+
+
+@contextlib.contextmanager
+def mlp_path(hand_written):
+    old = _nets.HAND_WRITTEN_MLP
+    _nets.HAND_WRITTEN_MLP = hand_written
+    try:
+        yield
+    finally:
+        _nets.HAND_WRITTEN_MLP = old
+
+
+def bench_mlp(args, m, hidden=100):
+    """pFedMe round with MLP(60, hidden, 10): pflcore's batched paths (a), (a') vs the per-client
+    nn.Module loop (b). Same protocol as ``bench``."""
+    fed = pflcore.data.synthetic(0.5, 0.5, num_clients=m, dim=60, num_classes=10, seed=0, max_size=args.max_size)
+    model = MLP(60, hidden, 10)
+    ctx = Context(fed, model, torch.device("cpu"), seed=0, clients_per_round=10)
+    alg = PFedMe(**HYPER)
+    R, K = HYPER["local_rounds"], HYPER["inner_steps"]
+    state0 = alg.round(alg.init(ctx), ctx, 1)  # untimed: w moved from the initialization
+    t = 2
+    S = ctx.sample_clients(t)
+    sizes = fed.train.sizes
+    print(f"[pFedMe MLP] m={m} clients, {model!r}, d={model.d}, R={R}, K={K}, B={HYPER['batch_size']}, "
+          f"train rows {int(sizes.sum())} (sizes capped at {args.max_size})")
+
+    # ---- agreement (also the warm-up of every path) ----
+    with mlp_path(True):
+        st_a = alg.round(copy.deepcopy(state0), ctx, t)
+    with mlp_path(False):
+        st_v = alg.round(copy.deepcopy(state0), ctx, t)
+    if args.slow_clients is None or args.slow_clients >= m:
+        check = torch.arange(m)
+    else:
+        check = torch.unique(torch.cat([torch.arange(min(m, max(20, args.slow_clients))), S]))
+    with threads(1):
+        th_b, wl_b, w_b = torch_loop_net(ctx, state0.w, t, check, S, **HYPER)
+    diffs = {}
+    for tag, st in (("a", st_a), ("vmap", st_v)):
+        diffs[tag] = dict(w=float((w_b - st.w).abs().max()), theta=float((th_b - st.theta[check]).abs().max()),
+                          w_local=float((wl_b - st.w_local[check]).abs().max()))
+        print(f"[agreement] {tag} vs loop on {check.numel()} clients: max|Δw| = {diffs[tag]['w']:.2e}, "
+              f"max|Δθ| = {diffs[tag]['theta']:.2e}, max|Δw_local| = {diffs[tag]['w_local']:.2e}")
+    moved = float((st_a.theta[check] - state0.w).abs().max())
+
+    # ---- timings ----
+    ms = m if args.slow_clients is None else min(m, args.slow_clients)
+    slow_reps = max(1, min(args.repeats, 3))
+    times_a, times_v, times_b = {}, {}, {}
+    for th in sorted({torch.get_num_threads(), 1}, reverse=True):
+        with threads(th):
+            with mlp_path(True):
+                times_a[th] = best_of(lambda s: alg.round(s, ctx, t), args.repeats, lambda: copy.deepcopy(state0))
+            with mlp_path(False):
+                times_v[th] = best_of(lambda s: alg.round(s, ctx, t), max(1, min(args.repeats, 3)),
+                                      lambda: copy.deepcopy(state0))
+            times_b[th] = m / ms * best_of(
+                lambda _: torch_loop_net(ctx, state0.w, t, torch.arange(ms), S, **HYPER), slow_reps)
+        print(f"[timing] {th} thread(s): (a) {times_a[th]:.3f} s, (a') vmap {times_v[th]:.3f} s, "
+              f"(b) {times_b[th]:.3f} s per round")
+    t_a, t_v, t_b = min(times_a.values()), min(times_v.values()), min(times_b.values())
+    steps = m * R * K
+    return dict(
+        m=m, dataset="synthetic(0.5, 0.5), dim 60, 10 classes, seed 0", max_size=args.max_size, sizes_capped=True,
+        train_rows=int(sizes.sum()), model=repr(model), d=model.d, hyperparameters=HYPER, round=t,
+        sampled=S.tolist(), agreement_clients=int(check.numel()),
+        max_abs_diff_w=diffs["a"]["w"], max_abs_diff_theta=diffs["a"]["theta"],
+        max_abs_diff_w_local=diffs["a"]["w_local"], max_abs_diff_vmap=diffs["vmap"],
+        max_abs_update_theta=moved, tolerance=1e-4,
+        time_pflcore_s=t_a, time_pflcore_vmap_s=t_v, time_torch_loop_s=t_b,
+        time_pflcore_by_threads_s=times_a, time_pflcore_vmap_by_threads_s=times_v,
+        time_torch_loop_by_threads_s=times_b, threads_pflcore=min(times_a, key=times_a.get),
+        threads_pflcore_vmap=min(times_v, key=times_v.get), threads_torch_loop=min(times_b, key=times_b.get),
+        torch_loop_clients=ms, torch_loop_scaled=ms < m, torch_loop_scale=m / ms, torch_loop_repeats=slow_reps,
+        ratio_loop_over_pflcore=t_b / t_a, ratio_loop_over_pflcore_vmap=t_b / t_v,
+        client_steps=steps, client_steps_per_s=steps / t_a, vmap_client_steps_per_s=steps / t_v,
+        torch_loop_client_steps_per_s=steps / t_b)
+
+
+def rows_of_mlp(r):
+    sc = f", scaled from {r['torch_loop_clients']}" if r["torch_loop_scaled"] else ""
+    return [
+        ("MLP agreement: max|Δw| global model", None, r["max_abs_diff_w"], 1e-4, "le"),
+        ("MLP agreement: max|Δθ| personal models", None, r["max_abs_diff_theta"], 1e-4, "le"),
+        ("MLP agreement: max|Δw_i| local models", None, r["max_abs_diff_w_local"], 1e-4, "le"),
+        ("MLP agreement (vmap path): max|Δθ|", None, r["max_abs_diff_vmap"]["theta"], 1e-4, "le"),
+        (f"pFedMe MLP round, pflcore (a), m={r['m']}, {r['threads_pflcore']} thr", r["time_pflcore_s"], None, None,
+         None),
+        (f"pFedMe MLP round, pflcore vmap (a'), {r['threads_pflcore_vmap']} thr", r["time_pflcore_vmap_s"], None,
+         None, None),
+        (f"MLP torch loop (b)/(a), {r['threads_torch_loop']} thr" + sc, r["time_torch_loop_s"],
+         r["ratio_loop_over_pflcore"], 5, "ge"),
+        ("MLP torch loop (b)/(a') vmap path", None, r["ratio_loop_over_pflcore_vmap"], None, None),
+        ("MLP (a) client-steps per second", None, r["client_steps_per_s"], None, None),
+        ("MLP (b) client-steps per second", None, r["torch_loop_client_steps_per_s"], None, None),
+    ]
+
+
+def rows_of_anderson(a):
+    return [(f"FedPi+Anderson round, m={a['m']}, state {a['m']}x{a['d']}", a["round_s"], None, None, None),
+            ("Anderson.step share of the round", a["anderson_step_s"], a["anderson_share"], 0.05, "le")]
+
+
 def bench_anderson_share(args, m):
     """Server-side cost of Anderson acceleration (issue: operator splitting): the share of an
     accelerated FedPi round (Softmax 60×10, m clients, all participating, 10 prox steps) spent in
@@ -244,9 +418,9 @@ def bench_anderson_share(args, m):
     spent = []
     real_step = Anderson.step
 
-    def timed_step(self, u, tu):
+    def timed_step(self, u, tu, **kw):  # kw: e.g. reduce= (sharded runs)
         t0 = time.perf_counter()
-        out = real_step(self, u, tu)
+        out = real_step(self, u, tu, **kw)
         spent.append(time.perf_counter() - t0)
         return out
 
@@ -281,9 +455,15 @@ def rows_of(r):
     ]
 
 
+PARTS = ("pfedme_round", "pfedme_round_mlp", "anderson_share")
+ROWS = {"pfedme_round": rows_of, "pfedme_round_mlp": rows_of_mlp, "anderson_share": rows_of_anderson}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="m = 100 clients, a smoke run")
+    ap.add_argument("--only", action="append", choices=PARTS,
+                    help="run only this part (repeatable; default: all); the other parts' entries in --out are kept")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "algorithms.json"), help="JSON output path")
     ap.add_argument("--repeats", type=int, default=7, help="timed runs per measurement (best is kept)")
     ap.add_argument("--slow-clients", type=int, default=100,
@@ -298,6 +478,7 @@ def main():
         args.slow_clients = None
     if args.quick:
         args.repeats = min(args.repeats, 3)
+    parts = [p for p in PARTS if p in (args.only or PARTS)]
 
     status = backend.status()
     if not status["native"][0]:
@@ -307,28 +488,45 @@ def main():
         print(f"warning: 1-minute load average is {load_start:.2f} before starting; other processes "
               f"compete for the {os.cpu_count()} cores and the timings will be noisy")
     t0 = time.perf_counter()
-    results = {"pfedme_round": bench(args, m)}
-    results["anderson_share"] = bench_anderson_share(args, m)
-    a = results["anderson_share"]
-    rows = rows_of(results["pfedme_round"]) + [
-        (f"FedPi+Anderson round, m={a['m']}, state {a['m']}x{a['d']}", a["round_s"], None, None, None),
-        ("Anderson.step share of the round", a["anderson_step_s"], a["anderson_share"], 0.05, "le")]
-    print_table(rows)
+    results = {}
+    if os.path.exists(args.out):  # keep the parts not run now
+        with open(args.out) as f:
+            results = json.load(f)
+        for part in PARTS:  # entries written before parts had their own record: the file's was theirs
+            if part in results and "measured" not in results[part]:
+                old_machine, old_config = results.get("machine", {}), results.get("config", {})
+                results[part]["measured"] = dict(
+                    timestamp=results.get("timestamp"), git_commit=old_machine.get("git_commit"),
+                    quick=old_config.get("quick"), repeats=old_config.get("repeats"),
+                    slow_clients=old_config.get("slow_clients"), torch_threads=old_machine.get("torch_threads"),
+                    loadavg_1min_start=old_machine.get("loadavg_1min_start"),
+                    loadavg_1min_end=old_machine.get("loadavg_1min_end"))
+    extra = machine_extra()
+    run_fn = {"pfedme_round": bench, "pfedme_round_mlp": bench_mlp, "anderson_share": bench_anderson_share}
+    for part in parts:
+        l0 = os.getloadavg()[0]
+        results[part] = run_fn[part](args, m)
+        results[part]["measured"] = dict(
+            timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat(), git_commit=extra["git_commit"],
+            quick=args.quick, repeats=args.repeats, slow_clients=args.slow_clients, torch_threads=torch.get_num_threads(),
+            loadavg_1min_start=l0, loadavg_1min_end=os.getloadavg()[0])
+    rows_now = [row for part in parts for row in ROWS[part](results[part])]
+    print_table(rows_now)
     results["table"] = [dict(name=n, time_s=t, value=v, target=tg, sense=s, passed=passed(v, tg, s))
-                        for n, t, v, tg, s in rows]
+                        for part in PARTS if part in results for n, t, v, tg, s in ROWS[part](results[part])]
     results["machine"] = dict(
         torch_threads=torch.get_num_threads(), cpu_count=os.cpu_count(), platform=platform.platform(),
         python=platform.python_version(), torch=torch.__version__, pflcore=pflcore.__version__,
         backends={k: list(v) for k, v in status.items()}, loadavg_1min_start=load_start,
-        loadavg_1min_end=os.getloadavg()[0], **machine_extra())
+        loadavg_1min_end=os.getloadavg()[0], **extra)
     results["config"] = dict(quick=args.quick, repeats=args.repeats, slow_clients=args.slow_clients,
-                             max_size=args.max_size)
+                             max_size=args.max_size, parts=parts)
     results["timestamp"] = datetime.datetime.now(datetime.timezone.utc).isoformat()
     results["total_wall_s"] = time.perf_counter() - t0
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=2)
-    print(f"\nwrote {args.out} ({results['total_wall_s']:.0f} s)")
+    print(f"\nwrote {args.out} (parts run now: {', '.join(parts)}; {results['total_wall_s']:.0f} s)")
 
 
 if __name__ == "__main__":

@@ -183,7 +183,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             f"mean ± std over {'/'.join(map(str, seeds))} seeds (population std; one seed: the value alone)")
     lines.append(f"Final test accuracy (%), {what}; personalized models, or † the global model for a method "
                  "without personalized ones. Bold: best of the column.")
-    lines += args.note
+    for note in args.note:  # separate paragraphs
+        lines += ["", note]
     lines += ["", "Runs:"] + describe(all_summaries)
     text = "\n".join(lines) + "\n"
     if args.out:
