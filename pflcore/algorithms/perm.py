@@ -55,7 +55,8 @@ def pairwise_sqdist(G: torch.Tensor, rows: slice = slice(None)) -> torch.Tensor:
     Gc = G.to(torch.float64)
     Gc = Gc - Gc.mean(dim=0, keepdim=True)
     sq = (Gc * Gc).sum(dim=1)
-    D = (sq[rows, None] + sq[None, :]) - 2.0 * (Gc[rows] @ Gc.T)
+    D = sq[rows, None] + sq[None, :]
+    D.addmm_(Gc[rows], Gc.T, alpha=-2.0)  # in place: one [r, m] buffer
     D.clamp_(min=0.0)
     first = rows.start or 0
     own = torch.arange(D.shape[0], device=D.device)
@@ -99,15 +100,13 @@ def water_filling(costs: torch.Tensor, counts: torch.Tensor, lam_alpha: float, *
     if not bool((counts > 0).all()):
         raise ValueError("counts: expected positive sample counts")
     lam = positive(lam_alpha, "lam_alpha", "water_filling")
-    c = costs.to(torch.float64)  # the output is built in place on c, so never alias the input
-    if c.data_ptr() == costs.data_ptr():
-        c = c.clone()
+    c = costs.to(torch.float64)  # read only: the output is a new tensor
     w = counts.to(device=c.device, dtype=torch.float64) / (2.0 * lam)
     tau = torch.empty(c.shape[0], dtype=torch.float64, device=c.device)
     todo = torch.arange(c.shape[0], device=c.device)
     L = max(1, min(int(candidates), k))
     while todo.numel():
-        rows = c[todo]
+        rows = c if todo.numel() == c.shape[0] else c[todo]  # no copy on the first pass
         if L >= k:
             vals, idx = torch.sort(rows, dim=1, stable=True)
             bound = torch.full((todo.numel(),), float("inf"), dtype=torch.float64, device=c.device)
@@ -118,7 +117,7 @@ def water_filling(costs: torch.Tensor, counts: torch.Tensor, lam_alpha: float, *
         exact = level <= bound
         tau[todo[exact]] = level[exact]
         todo, L = todo[~exact], min(8 * L, k)
-    return c.neg().add_(tau[:, None]).clamp_(min=0.0).mul_(w[None, :])  # in place on a fresh [m, k]
+    return torch.sub(tau[:, None], c).clamp_(min=0.0).mul_(w[None, :])  # one fresh [m, k]
 
 
 def mixing_weights(model, w: torch.Tensor, train, lam_alpha: float, comm: distributed.Comm = None) -> torch.Tensor:
