@@ -232,11 +232,12 @@ def _row_text(row, metrics, key) -> str:
 
 def format_table(rows, metrics) -> str:
     shown = [k for k in metrics if any(r[k] is not None for r in rows)]
-    head = f"{'algorithm':<14} {'sweep':>8} " + " ".join(f"{k:>24}" for k in shown)
+    wide = max([14] + [len(r["algorithm"]) for r in rows])  # names like "CGPFL (K=4)" set the column
+    head = f"{'algorithm':<{wide}} {'sweep':>8} " + " ".join(f"{k:>24}" for k in shown)
     lines = [head]
     for r in rows:
         cells = [f"{r[k]:.4g} ± {r[k + '_std']:.2g}" if r[k] is not None else "-" for k in shown]
-        lines.append(f"{r['algorithm']:<14} {str(r['sweep'] if r['sweep'] is not None else ''):>8} "
+        lines.append(f"{r['algorithm']:<{wide}} {str(r['sweep'] if r['sweep'] is not None else ''):>8} "
                      + " ".join(f"{c:>24}" for c in cells))
     return "\n".join(lines)
 
