@@ -61,7 +61,7 @@ def _run_experiment(args, experiments, comm) -> int:
         args.experiment = None
     cfg = experiments.apply_overrides(experiments.load(args.experiment), args.overrides)
     ranks = f", clients sharded over {comm.world} ranks ({comm.backend})" if comm.world > 1 else ""
-    say(f"pflcore run: {cfg.get('name', args.experiment)} — {len(cfg.get('algorithms', {}))} algorithm(s), "
+    say(f"pflcore run: {cfg.get('name', args.experiment)} — {len(args.algo) if args.algo else len(cfg.get('algorithms', {}))} algorithm(s), "
         f"{cfg.get('rounds')} rounds, seeds {cfg.get('seeds', [0])}{ranks}")
     summary = experiments.run_experiment(cfg, only=args.algo, progress=not args.no_progress, out=args.out, log=say)
     metrics = cfg.get("metrics", ["personalized_acc", "global_acc", "stat_error_local", "stat_error_global"])
