@@ -73,7 +73,7 @@ def _level(c_sorted: torch.Tensor, w_sorted: torch.Tensor) -> torch.Tensor:
     return level.gather(1, active - 1)[:, 0]
 
 
-def water_filling(costs: torch.Tensor, counts: torch.Tensor, lam_alpha: float, *, candidates: int = 64) -> torch.Tensor:
+def water_filling(costs: torch.Tensor, counts: torch.Tensor, lam_alpha: float, *, candidates: int = 256) -> torch.Tensor:
     """Rows α_i [m, k] of  argmin_{α ∈ simplex} Σ_j c_{i,j} α_j + λ_α Σ_j α_j² / n_j,  exactly.
 
     KKT: α_j = max(0, (τ_i − c_{i,j})·w_j) with w_j = n_j/(2λ_α) and the level τ_i such that
@@ -85,7 +85,8 @@ def water_filling(costs: torch.Tensor, counts: torch.Tensor, lam_alpha: float, *
     among each row's ``candidates`` smallest costs (``torch.topk``, far cheaper than sorting
     the row); it is exact for the row when τ ≤ the next smallest cost, since every other entry
     is then inactive. Rows that fail the check retry with 8× as many candidates, up to a full
-    sort.
+    sort. (256: at m = 2,000 clients of 4 contexts a row has ~90 active weights, up to ~160;
+    measured 29 ms there against 49 ms with 64 candidates and a retry, 131 ms sorting.)
 
     Args: costs ``[m, k]`` (finite), counts ``[k]`` positive sample counts n_j, lam_alpha > 0.
     Returns float64 ``[m, k]``, rows on the simplex.
