@@ -101,31 +101,30 @@ HYPER = dict(lam=15.0, lr=0.005, personal_lr=0.01, inner_steps=5, local_rounds=2
              train_all=True)
 
 
-def torch_loop(ctx, w, t, clients, S, lam, lr, personal_lr, inner_steps, local_rounds, beta, batch_size,
-               **_):
-    """(b): returns (theta [n, d], w_local [n, d], new w or None when S ⊄ clients), rows in
-    pflcore's layout [p+1, C] flattened (W = weightᵀ, intercept row last)."""
+def _pfedme_client_loop(ctx, w, t, clients, S, net, params, load, flatten, input_view, lam, lr, personal_lr,
+                        inner_steps, local_rounds, beta, batch_size, train_all=True):
+    """The per-client pFedMe loop shared by (b) for every model: ``net`` is one reused module whose
+    parameter tensors ``params`` are loaded from a flat pflcore row by ``load(vec, tensors)`` and
+    read back by ``flatten(tensors)``; autograd, then the pFedMe optimizer's update
+    θ ← θ − personal_lr·(∇f(θ; D) + λ(θ − w_local)) per tensor. Returns (theta [n, d],
+    w_local [n, d], new w or None when S ⊄ clients). ``train_all`` is pFedMe's (HYPER): the loop
+    trains exactly ``clients``."""
     model, (x, y) = ctx.model, (ctx.train.x, ctx.train.y)
-    p, C = model.p, model.C
     clients = torch.as_tensor(clients, dtype=torch.int64)
     n = clients.numel()
     # Exactly pflcore's minibatches: [n, R, B] absolute row indices.
     idx = torch.stack([ctx.batches(t, r, clients, 1, batch_size)[:, 0] for r in range(local_rounds)], 1).long()
-    W = w.view(p + 1, C)
-    w_weight, w_bias = W[:p].T.contiguous(), W[p].clone()
-    lin = torch.nn.Linear(p, C)
-    params = (lin.weight, lin.bias)
-    theta_out, wloc_out = torch.empty(n, model.d), torch.empty(n, model.d)
+    local = [torch.empty_like(q) for q in params]
+    theta_out, wloc_out = torch.empty(n, model.d, dtype=w.dtype), torch.empty(n, model.d, dtype=w.dtype)
     for j in range(n):
         with torch.no_grad():
-            lin.weight.copy_(w_weight)
-            lin.bias.copy_(w_bias)
-        local = (w_weight.clone(), w_bias.clone())  # w_i ← w
+            load(w, params)          # θ ← w
+            load(w, local)           # w_i ← w
         for r in range(local_rounds):
-            xb, yb = x[idx[j, r]], y[idx[j, r]]
+            xb, yb = input_view(x[idx[j, r]]), y[idx[j, r]]
             for _ in range(inner_steps):
-                lin.zero_grad()
-                F.cross_entropy(lin(xb), yb).backward()
+                net.zero_grad()
+                F.cross_entropy(net(xb), yb).backward()
                 with torch.no_grad():  # the pFedMe optimizer's step
                     for prm, a in zip(params, local):
                         prm.sub_(personal_lr * (prm.grad + lam * (prm - a)))
@@ -133,14 +132,31 @@ def torch_loop(ctx, w, t, clients, S, lam, lr, personal_lr, inner_steps, local_r
                 for prm, a in zip(params, local):
                     a.sub_(lr * lam * (a - prm))
         with torch.no_grad():
-            theta_out[j] = torch.cat([lin.weight.T, lin.bias[None]]).reshape(-1)
-            wloc_out[j] = torch.cat([local[0].T, local[1][None]]).reshape(-1)
+            theta_out[j] = flatten(params)
+            wloc_out[j] = flatten(local)
     pos = {int(c): j for j, c in enumerate(clients)}
     if not all(int(s) in pos for s in S):
         return theta_out, wloc_out, None
     pS = ctx.weights[S]
     mean = (pS[:, None] * wloc_out[[pos[int(s)] for s in S]]).sum(0) / pS.sum()
     return theta_out, wloc_out, (1 - beta) * w + beta * mean
+
+
+def torch_loop(ctx, w, t, clients, S, **hyper):
+    """(b) for Softmax: one reused ``nn.Linear(p, C)``; rows in pflcore's layout [p+1, C]
+    flattened (W = weightᵀ, intercept row last)."""
+    p, C = ctx.model.p, ctx.model.C
+    lin = torch.nn.Linear(p, C)
+
+    def load(vec, tensors):
+        W = vec.view(p + 1, C)
+        tensors[0].copy_(W[:p].T)
+        tensors[1].copy_(W[p])
+
+    def flatten(tensors):
+        return torch.cat([tensors[0].T, tensors[1][None]]).reshape(-1)
+    return _pfedme_client_loop(ctx, w, t, clients, S, lin, [lin.weight, lin.bias], load, flatten, lambda xb: xb,
+                               **hyper)
 
 
 @contextlib.contextmanager
@@ -253,51 +269,20 @@ def bench(args, m):
         other_share=1 - (best["local_steps"] + best["batches"]) / best["round"])
 
 
-def torch_loop_net(ctx, w, t, clients, S, lam, lr, personal_lr, inner_steps, local_rounds, beta, batch_size,
-                   **_):
-    """(b) for a torch net of pflcore.models.nets: one reused ``model.module()``, autograd, the
-    pFedMe optimizer's update per parameter tensor. Returns (theta [n, d], w_local [n, d], new w
-    or None when S ⊄ clients) in pflcore's flat layout (the module's parameter order)."""
-    from torch.nn.utils import parameters_to_vector
-
+def torch_loop_net(ctx, w, t, clients, S, **hyper):
+    """(b) for a torch net of pflcore.models.nets: one reused ``model.module()``; rows in
+    pflcore's flat layout (the module's parameter order)."""
     def load(vec, tensors):  # copies (torch's vector_to_parameters would alias vec's storage)
         o = 0
         for q in tensors:
             q.copy_(vec[o:o + q.numel()].view_as(q))
             o += q.numel()
 
-    model, (x, y) = ctx.model, (ctx.train.x, ctx.train.y)
-    clients = torch.as_tensor(clients, dtype=torch.int64)
-    n = clients.numel()
-    idx = torch.stack([ctx.batches(t, r, clients, 1, batch_size)[:, 0] for r in range(local_rounds)], 1).long()
-    net = model.module(dtype=w.dtype)
-    params = list(net.parameters())
-    local = [torch.empty_like(q) for q in params]
-    theta_out, wloc_out = torch.empty(n, model.d, dtype=w.dtype), torch.empty(n, model.d, dtype=w.dtype)
-    for j in range(n):
-        with torch.no_grad():
-            load(w, params)          # θ ← w
-            load(w, local)           # w_i ← w
-        for r in range(local_rounds):
-            xb, yb = model.input_view(x[idx[j, r]]), y[idx[j, r]]
-            for _ in range(inner_steps):
-                net.zero_grad()
-                F.cross_entropy(net(xb), yb).backward()
-                with torch.no_grad():  # the pFedMe optimizer's step
-                    for prm, a in zip(params, local):
-                        prm.sub_(personal_lr * (prm.grad + lam * (prm - a)))
-            with torch.no_grad():
-                for prm, a in zip(params, local):
-                    a.sub_(lr * lam * (a - prm))
-        with torch.no_grad():
-            theta_out[j] = parameters_to_vector(params)
-            wloc_out[j] = torch.cat([a.reshape(-1) for a in local])
-    pos = {int(c): j for j, c in enumerate(clients)}
-    if not all(int(s) in pos for s in S):
-        return theta_out, wloc_out, None
-    pS = ctx.weights[S]
-    mean = (pS[:, None] * wloc_out[[pos[int(s)] for s in S]]).sum(0) / pS.sum()
-    return theta_out, wloc_out, (1 - beta) * w + beta * mean
+    def flatten(tensors):
+        return torch.cat([q.reshape(-1) for q in tensors])
+    net = ctx.model.module(dtype=w.dtype)
+    return _pfedme_client_loop(ctx, w, t, clients, S, net, list(net.parameters()), load, flatten,
+                               ctx.model.input_view, **hyper)
 
 
 @contextlib.contextmanager

@@ -62,10 +62,16 @@ def best_of(fn, cfg: Config, setup=lambda: None, repeats: Optional[int] = None) 
     return best
 
 
-def usable(name: str) -> Optional[str]:
-    """None if backend ``name`` runs here, else why not."""
-    ok, why = backend.status()[name]
-    return None if ok else why
+def usable(names, out: Dict):
+    """The backends of ``names`` that run here, in order; each other one is recorded in ``out``
+    as ``<name>_skipped`` with the reason."""
+    status = backend.status()
+    for name in names:
+        ok, why = status[name]
+        if ok:
+            yield name
+        else:
+            out[f"{name}_skipped"] = why
 
 
 def copy_bandwidth(cfg: Config) -> float:
@@ -114,11 +120,7 @@ def bench_local_steps(cfg: Config, m: int, bw: float) -> Dict:
     want = ops.local_steps_ref(model, theta0[sub].clone(), data, rows=sub, **kw)
     out: Dict = {"m": m, "N": N, "d": model.d, "steps": cfg.steps, "ref_clients": int(sub.numel())}
     results = {}
-    for name in (cfg.kernel, "triton"):
-        why = usable(name)
-        if why:
-            out[f"{name}_skipped"] = why
-            continue
+    for name in usable((cfg.kernel, "triton"), out):
         with backend.use(name):
             setup()
             got = ops.local_steps(model, theta, data, **kw)
@@ -159,11 +161,7 @@ def bench_kmeans(cfg: Config) -> Dict:
     cdist_labels = torch.cdist(points, centroids).argmin(1)
     out: Dict = {"N": N, "K": K, "d": d}
     times = {}
-    for name in (cfg.kernel, "triton"):
-        why = usable(name)
-        if why:
-            out[f"{name}_skipped"] = why
-            continue
+    for name in usable((cfg.kernel, "triton"), out):
         with backend.use(name):
             labels, _ = ops.kmeans_assign(points, centroids)
             if not torch.equal(labels[:head], want_labels):
@@ -193,11 +191,7 @@ def bench_anderson(cfg: Config, bw: float) -> Dict:
     out: Dict = {"rows": rows, "d": d, "memory": memory, "bytes": 17 * D * 4}
     times = {}
     ref_run = None
-    for name in (cfg.kernel, "triton", "reference"):
-        why = usable(name)
-        if why:
-            out[f"{name}_skipped"] = why
-            continue
+    for name in usable((cfg.kernel, "triton", "reference"), out):
         with backend.use(name):
             acc = ops.Anderson(memory=memory, reg=1e-8)
             steps = [acc.step(us[i], 0.9 * us[i] + 0.1 * us[i + 1]) for i in range(memory + 1)]  # full history
