@@ -29,7 +29,7 @@ cudaError_t kmeans_update(const float* points, const int64_t* order, const int64
                           float* centroids, double* wsum, int64_t N, int64_t K, int64_t d, cudaStream_t stream);
 cudaError_t kmeans_update(const double* points, const int64_t* order, const int64_t* seg, const double* weights,
                           double* centroids, double* wsum, int64_t N, int64_t K, int64_t d, cudaStream_t stream);
-// csrc/cuda/local_steps.cu
+// csrc/cuda/glm.cu
 int64_t glm_max_classes(bool f64);
 template <typename T>
 cudaError_t glm_local_steps(int family, int64_t p, int64_t C, bool intercept, double l2, void* theta,
@@ -330,23 +330,15 @@ py::dict runtime_status() {
     return out;
 }
 
-// Op names as pflcore.backend.select() asks for them ("anderson": push, mix and gram; the
-// small solve runs on the host).
-constexpr const char* kOps[] = {"local_steps", "gradients", "evaluate", "kmeans_assign", "kmeans_update",
-                                "anderson"};
-
 py::dict build_info() {
     int version = 0;
     if (cudaRuntimeGetVersion(&version) != cudaSuccess) {
         cudaGetLastError();
         version = -1;
     }
-    py::list ops;
-    for (const char* op : kOps) ops.append(op);
     py::dict info;
     info["cuda_runtime_version"] = version;
     info["architectures"] = std::string(PFLCORE_CUDA_ARCHS);
-    info["ops"] = ops;
     info["max_classes"] = py::make_tuple(pc::glm_max_classes(false), pc::glm_max_classes(true));
     return info;
 }
@@ -407,6 +399,6 @@ PYBIND11_MODULE(_core_cuda, m) {
           "driver_version (0 = no driver) and runtime_version.");
     m.def("build_info", &build_info,
           "Dict with cuda_runtime_version (int, -1 on error), architectures (the CUDA "
-          "architectures compiled for), ops (the op names this module implements) and max_classes "
+          "architectures compiled for) and max_classes "
           "(largest C of the GLM kernels for float32, float64).");
 }

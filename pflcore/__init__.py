@@ -7,7 +7,7 @@ local step for thousands of clients. Compiled backends load lazily (``pflcore.ba
 __version__ = "0.1.0"
 
 from pflcore import algorithms, backend, data, models, ops  # noqa: E402
-from pflcore.data.client_data import ClientData  # noqa: E402
+from pflcore.client_data import ClientData  # noqa: E402
 from pflcore.data.federation import Federation  # noqa: E402
 from pflcore.result import Result  # noqa: E402
 from pflcore.run import DivergenceError, resume, run  # noqa: E402

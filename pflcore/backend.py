@@ -1,19 +1,21 @@
-"""Which implementations of the ops exist, and which one a call uses (DESIGN.md §1, §4).
+"""Which implementation of the ops a call uses (DESIGN.md §1, §8).
 
-Backends: ``native`` (C++/OpenMP, CPU tensors), ``cuda`` (CUDA C++, CUDA tensors),
-``triton`` (Triton, CUDA tensors) and ``reference`` (pure torch, any device).
+Backends: ``native`` (C++/OpenMP, CPU tensors), ``cuda`` (CUDA C++, CUDA tensors), ``triton``
+(Triton, CUDA tensors) and ``reference`` (pure torch, any device); the torch nets (``MLP``,
+``CNN``) run on their own adapter, ``nets``, chosen by the model's type. Each is an adapter in
+``pflcore/backends/``; the ops an adapter serves are its methods.
 
-Choose one with ``pflcore.backend.use("reference")`` (a context manager) or the
-environment variable ``PFLCORE_BACKEND``. A backend requested by name that cannot serve a
-call raises at once with the reason; the automatic choice falls back in a fixed order:
-native -> reference for CPU tensors, cuda -> triton -> reference for CUDA tensors. The
-choice is per op: a backend that lacks an op leaves it to the next one in the order.
+Choose one with ``pflcore.backend.use("reference")`` (a context manager) or the environment
+variable ``PFLCORE_BACKEND``. A backend requested by name that cannot serve a call raises at
+once with the reason; one that has no kernel for an op leaves that op to the reference (so a
+whole run can be forced onto triton or cuda). The automatic choice falls back in a fixed
+order, per op: native -> reference for CPU tensors, cuda -> triton -> reference for CUDA
+tensors. Nets take the nets adapter unless the reference is asked for.
 
 Triton needs the ``triton`` package (``pip install 'pflcore[triton]'``) and a CUDA device.
 With ``TRITON_INTERPRET=1`` set before its kernels are first loaded, they run under Triton's
 CPU interpreter (slow; that is how the test suite checks them without a GPU): the backend
-then serves CPU (and CUDA) tensors, but only when asked for by name (``use("triton")`` or
-``PFLCORE_BACKEND=triton``); the automatic choice skips it.
+then serves CPU (and CUDA) tensors, but only when asked for by name.
 
 Compiled modules are imported lazily, on first use, so ``import pflcore`` is fast and works
 on a machine where they were not built.
@@ -22,23 +24,29 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import importlib
 import os
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
-BACKENDS = ("native", "cuda", "triton", "reference")
+from pflcore.backends.base import Adapter
+from pflcore.backends.cuda import CudaAdapter
+from pflcore.backends.native import NativeAdapter
+from pflcore.backends.nets import NetsAdapter
+from pflcore.backends.reference import ReferenceAdapter
+from pflcore.backends.triton import TritonAdapter
+from pflcore.errors import BackendUnavailable
+from pflcore.models.nets import TorchNet
 
-# Backend -> device types whose tensors it serves.
-_SERVES = {"native": ("cpu",), "cuda": ("cuda",), "triton": ("cuda",), "reference": ("cpu", "cuda")}
+ADAPTERS: Dict[str, Adapter] = {a.name: a for a in (NativeAdapter(), CudaAdapter(), TritonAdapter(),
+                                                    ReferenceAdapter(), NetsAdapter())}
+BACKENDS = ("native", "cuda", "triton", "reference")  # the names a user may ask for
 _AUTO_ORDER = {"cpu": ("native", "reference"), "cuda": ("cuda", "triton", "reference")}
-_COMPILED = {"native": "pflcore._core", "cuda": "pflcore._core_cuda"}
+REFERENCE = ADAPTERS["reference"]
+NETS = ADAPTERS["nets"]
 
 _forced: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("pflcore_backend", default=None)
-_loaded: Dict[str, Tuple[Optional[object], str]] = {}
-
-
-class BackendUnavailable(RuntimeError):
-    """A backend that was asked for by name cannot run the call; the message says why."""
+# (op, device type, GLM classes, dtype) -> adapter of the automatic choice: the order and what
+# loads never change in a process, so the walk down the order is done once.
+_auto_cache: Dict[tuple, Adapter] = {}
 
 
 def _check_name(name: str, source: str) -> str:
@@ -47,74 +55,25 @@ def _check_name(name: str, source: str) -> str:
     return name
 
 
-def _load(name: str) -> Tuple[Optional[object], str]:
-    """(module or None, reason) for a backend; cached after the first attempt."""
-    if name in _loaded:
-        return _loaded[name]
-    module, reason = None, ""
-    if name in _COMPILED:
-        try:
-            module = importlib.import_module(_COMPILED[name])
-        except ModuleNotFoundError as exc:
-            if exc.name != _COMPILED[name]:
-                raise  # a dependency of pflcore itself is missing: not a backend question
-            if name == "cuda":
-                reason = ("not built: the CUDA module is compiled only when nvcc is found at "
-                          "install time (or PFLCORE_CUDA=ON); reinstall with nvcc on PATH")
-            else:
-                reason = ("not built: pflcore._core is missing from this installation; "
-                          "reinstall with `pip install .` from the source tree")
-        except (ImportError, OSError) as exc:  # the file is there but does not load
-            reason = (f"built, but {_COMPILED[name]} failed to load ({type(exc).__name__}: {exc}); "
-                      f"rebuild it against this Python and torch (`pip install .`)")
-        if module is not None and name == "cuda":
-            module, reason = _cuda_usable(module)
-    elif name == "triton":
-        module, reason = _load_triton()
-    else:  # reference
-        import torch
-
-        module, reason = torch, f"pure torch {torch.__version__}"
-    _loaded[name] = (module, reason)
-    return module, reason
+def adapter(name: str) -> Adapter:
+    """The adapter of backend ``name`` (whether or not it loads)."""
+    return ADAPTERS[_check_name(name, "backend")]
 
 
-def _archs(module) -> List[int]:
-    """Compute capabilities (major*10 + minor) the CUDA module has code for."""
-    out = []
-    for a in str(module.build_info()["architectures"]).replace(";", ",").split(","):
-        digits = "".join(ch for ch in a if ch.isdigit())
-        if digits:
-            out.append(int(digits))
-    return out
+def loaded(name: str) -> Optional[object]:
+    """The module of backend ``name`` if it loads, else None (no error)."""
+    return adapter(name).module
 
 
-def _cuda_usable(module) -> Tuple[Optional[object], str]:
-    """(module, "") when the runtime sees a device the module has code for, else (None, why)."""
-    if hasattr(module, "runtime_status"):
-        rt = module.runtime_status()
-    else:  # a module built before runtime_status existed
-        rt = {"device_count": module.device_count(), "error": "", "driver_version": -1}
-    if rt["device_count"] == 0:
-        if rt["driver_version"] == 0:
-            return None, "built, but no NVIDIA driver is installed on this machine"
-        if rt["error"]:
-            hint = (f" (driver {rt['driver_version']} is older than the CUDA runtime "
-                    f"{rt.get('runtime_version', '?')} the module was built with: update the driver or "
-                    f"rebuild with an older toolkit)" if "InsufficientDriver" in rt["error"] else "")
-            return None, f"built, but the CUDA runtime finds no usable device: {rt['error']}{hint}"
-        return None, "built, but no CUDA device is visible to the CUDA runtime"
-    archs = _archs(module)
-    if archs:
-        import torch
+def ops_of(name: str) -> Tuple[str, ...]:
+    """Names of the ops backend ``name`` implements (empty if it does not load)."""
+    a = adapter(name)
+    return tuple(sorted(a.ops())) if a.available else ()
 
-        caps = [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
-        if caps and all(c[0] * 10 + c[1] < min(archs) for c in caps):
-            return None, (f"built for compute capability {', '.join(str(a) for a in archs)}, but the "
-                          f"devices have {', '.join(f'{c[0]}.{c[1]}' for c in caps)} (below "
-                          f"{min(archs) // 10}.{min(archs) % 10}): rebuild with "
-                          f"CMAKE_CUDA_ARCHITECTURES set for them")
-    return module, ""
+
+def status() -> Dict[str, Tuple[bool, str]]:
+    """{backend: (usable, detail)} for ``pflcore info``."""
+    return {name: (ADAPTERS[name].available, ADAPTERS[name].describe()) for name in BACKENDS}
 
 
 def devices() -> List[str]:
@@ -134,81 +93,23 @@ def devices() -> List[str]:
     return lines
 
 
-def _load_triton() -> Tuple[Optional[object], str]:
-    try:
-        import triton
-    except ImportError as exc:
-        return None, f"triton is not installed: pip install 'pflcore[triton]' ({exc})"
-    module = importlib.import_module("pflcore.triton")
-    if module.INTERPRETED:
-        return module, (f"Triton {triton.__version__} under TRITON_INTERPRET=1: the kernels run on "
-                        f"the CPU interpreter (slow); CPU tensors only when requested by name")
-    import torch
-
-    if not torch.cuda.is_available():
-        return None, (f"Triton {triton.__version__} is installed, but torch sees no CUDA device "
-                      f"(set TRITON_INTERPRET=1 before the first use to run its kernels on CPU "
-                      f"tensors under the interpreter)")
-    return module, f"Triton {triton.__version__}"
-
-
-def _serves(name: str) -> Tuple[str, ...]:
-    """Device types whose tensors ``name`` serves when requested by name."""
-    if name == "triton":
-        module, _ = _load(name)
-        if module is not None and module.INTERPRETED:
-            return ("cuda", "cpu")
-    return _SERVES[name]
-
-
-def loaded(name: str) -> Optional[object]:
-    """The module of backend ``name`` if it loads, else None (no error)."""
-    return _load(_check_name(name, "backend"))[0]
-
-
-def ops_of(name: str) -> Tuple[str, ...]:
-    """Names of the kernels a compiled backend implements (empty if it does not load)."""
-    module, _ = _load(name)
-    if module is None:
-        return ()
-    if name == "reference":
-        return ("*",)
-    return tuple(module.build_info()["ops"])
-
-
-def status() -> Dict[str, Tuple[bool, str]]:
-    """{backend: (usable, detail)} for ``pflcore info``."""
-    out = {}
-    for name in BACKENDS:
-        module, reason = _load(name)
-        if module is not None and name in _COMPILED:
-            info = module.build_info()
-            if name == "native":
-                reason = (f"C++/OpenMP, {info['openmp_max_threads']} threads, "
-                          f"{info.get('compiler', '?')}, {info['arch_flags'] or 'generic arch'}")
-            else:
-                driver = module.runtime_status()["driver_version"] if hasattr(module, "runtime_status") else -1
-                reason = (f"CUDA runtime {info['cuda_runtime_version']}, driver {driver}, architectures "
-                          f"{info['architectures']}, ops: {', '.join(info['ops'])}, GLM classes up to "
-                          f"{info['max_classes'][0]} (float32) / {info['max_classes'][1]} (float64)")
-        out[name] = (module is not None, reason)
-    return out
-
-
 def requested() -> Optional[str]:
     """The backend asked for by ``use()`` or ``PFLCORE_BACKEND``, or None for automatic."""
     name = _forced.get()
     if name is not None:
         return name
-    env = os.environ.get("PFLCORE_BACKEND", "").strip()
-    return _check_name(env, "PFLCORE_BACKEND") if env else None
+    env = os.environ.get("PFLCORE_BACKEND")
+    if env:
+        env = env.strip()
+        return _check_name(env, "PFLCORE_BACKEND") if env else None
+    return None
 
 
 @contextlib.contextmanager
 def use(name: str) -> Iterator[None]:
     """Run the ops inside the block with backend ``name``; raises at once if it cannot load."""
-    _check_name(name, "backend")
-    module, reason = _load(name)
+    a = adapter(name)
+    module, reason = a.load()
     if module is None:
         raise BackendUnavailable(f"backend {name!r} cannot be used: {reason}")
     token = _forced.set(name)
@@ -218,43 +119,47 @@ def use(name: str) -> Iterator[None]:
         _forced.reset(token)
 
 
-Limit = Callable[[str, object], Optional[str]]
-
-
-def select(op: str, device, limit: Optional[Limit] = None) -> Tuple[str, object]:
-    """(backend name, module) that runs ``op`` on tensors of ``device``.
-
-    ``limit(name, module)``, when given, returns why backend ``name`` cannot take this call's
-    arguments (e.g. more classes than a kernel holds), or None: the automatic choice then
-    goes on to the next backend in the order, a backend requested by name raises. A backend
-    requested by name that has no kernel for ``op`` at all leaves it to the reference."""
-    dev = device.type
+def select(op: str, model, tensor) -> Adapter:
+    """The adapter that runs ``op`` for ``model`` (None for ops without one) on tensors like
+    ``tensor`` (its device type and dtype decide)."""
+    dev = "cpu" if tensor.is_cpu else "cuda" if tensor.is_cuda else tensor.device.type
     if dev not in _AUTO_ORDER:
         raise ValueError(f"{op}: tensors on device {dev!r} are not served by any backend "
                          f"(pflcore runs on 'cpu' and 'cuda' tensors)")
     name = requested()
+    if model is not None and isinstance(model, TorchNet):
+        return REFERENCE if name == "reference" else NETS
     if name is not None:
-        module, reason = _load(name)
-        if module is None:
-            raise BackendUnavailable(f"{op}: backend {name!r} was requested but cannot be used: {reason}")
-        if dev not in _serves(name):
-            raise BackendUnavailable(f"{op}: backend {name!r} was requested but it serves "
-                                     f"{'/'.join(_serves(name))} tensors, got {dev!r} tensors")
-        ops = ops_of(name)
-        if "*" not in ops and op not in ops:
-            # an op the requested backend has no kernel for (average, sample_batches on cuda and
-            # triton) runs on the reference, so that a whole run can be forced onto a backend
-            return "reference", _load("reference")[0]
-        why = limit(name, module) if limit is not None else None
-        if why:
-            raise BackendUnavailable(f"{op}: backend {name!r} was requested but cannot take these arguments: {why}")
-        return name, module
-    for name in _AUTO_ORDER[dev]:
-        module, _ = _load(name)
-        if name == "triton" and module is not None and module.INTERPRETED:
-            continue  # the interpreter is for tests: only ever used by name
-        if module is not None and ("*" in ops_of(name) or op in ops_of(name)):
-            if limit is not None and limit(name, module):
-                continue  # e.g. too many classes for the CUDA kernels: the next backend takes it
-            return name, module
-    raise AssertionError("unreachable: the reference backend serves every op")  # pragma: no cover
+        return _requested(name, op, model, tensor, dev)
+    key = (op, dev, None if model is None else model.C, tensor.dtype)
+    found = _auto_cache.get(key)
+    if found is None:
+        found = next(a for a in (ADAPTERS[n] for n in _AUTO_ORDER[dev])
+                     if a.auto and a.available and op in a.ops() and not a.limit(op, model, tensor.dtype))
+        _auto_cache[key] = found
+    return found
+
+
+def _requested(name: str, op: str, model, tensor, dev: str) -> Adapter:
+    a = ADAPTERS[name]
+    module, reason = a.load()
+    if module is None:
+        raise BackendUnavailable(f"{op}: backend {name!r} was requested but cannot be used: {reason}")
+    if op not in a.ops():
+        # an op the requested backend has no kernel for (average, sample_batches on cuda and
+        # triton; Anderson's small solve, always on the host) runs on the reference, so that a
+        # whole run can be forced onto a backend
+        return REFERENCE
+    if not a.serves(dev):
+        served = "/".join(d for d in ("cpu", "cuda") if a.serves(d))
+        raise BackendUnavailable(f"{op}: backend {name!r} was requested but it serves {served} tensors, "
+                                 f"got {dev!r} tensors")
+    why = a.limit(op, model, tensor.dtype)
+    if why:
+        raise BackendUnavailable(f"{op}: backend {name!r} was requested but cannot take these arguments: {why}")
+    return a
+
+
+def _reset_cache() -> None:
+    """Forget the automatic choices (tests that swap a backend's module)."""
+    _auto_cache.clear()

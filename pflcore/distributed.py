@@ -44,8 +44,10 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
+from pflcore._comm import Comm
+
 __all__ = ["Comm", "TorchComm", "DistributedError", "init", "shutdown", "default_comm", "shard_range", "shard_starts",
-           "owner_of", "gather_rows", "quantile", "std", "kmeans", "cluster_means"]
+           "owner_of", "gather_rows", "quantile", "std"]
 
 
 class DistributedError(RuntimeError):
@@ -77,70 +79,6 @@ def owner_of(clients: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
 
 
 # ---- communicators ------------------------------------------------------------------------------
-
-class Comm:
-    """One process: world size 1, every collective returns its input."""
-
-    rank = 0
-    world = 1
-    backend = "none"
-
-    def __init__(self):
-        self.bytes_sent = 0  # payload bytes this rank handed to collectives (0 here)
-
-    @property
-    def distributed(self) -> bool:
-        return self.world > 1
-
-    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """In place on ``t`` and returned: the elementwise sum (max, min) over ranks."""
-        return t
-
-    def all_gather(self, t: torch.Tensor) -> List[torch.Tensor]:
-        """``t`` of every rank (same shape everywhere), in rank order."""
-        return [t]
-
-    def all_gather_rows(self, t: torch.Tensor) -> torch.Tensor:
-        """The rows ``[n_r, ...]`` of every rank concatenated in rank order (n_r may differ)."""
-        return t
-
-    def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
-        """``t`` of rank ``src`` on every rank (in place on the others' ``t``)."""
-        return t
-
-    def exchange(self, sends: Sequence[Optional[torch.Tensor]], width: int, dtype: torch.dtype,
-                 device=None) -> List[torch.Tensor]:
-        """All-to-all of 2-D blocks: ``sends[q]`` (``[n, width]`` of ``dtype`` or None) goes to rank q;
-        returns the blocks every rank sent to this one, in rank order (empty ``[0, width]`` if
-        none), on ``device`` (default the CPU)."""
-        block = sends[0]
-        return [block if block is not None else torch.empty(0, width, dtype=dtype, device=device)]
-
-    def barrier(self) -> None:
-        pass
-
-    # conveniences over all_reduce
-    def sum(self, value):
-        """Sum over ranks of a number or tensor (a tensor is reduced in float64 or int64 and
-        returned with its dtype; a number comes back as a float or int)."""
-        if isinstance(value, torch.Tensor):
-            return value if self.world == 1 else self._sum_tensor(value)
-        if self.world == 1:
-            return value
-        is_int = isinstance(value, int) and not isinstance(value, bool)
-        t = torch.tensor([value], dtype=torch.int64 if is_int else torch.float64)
-        out = self._sum_tensor(t)[0]
-        return int(out) if is_int else float(out)
-
-    def _sum_tensor(self, t: torch.Tensor) -> torch.Tensor:
-        wide = torch.int64 if not t.is_floating_point() else torch.float64
-        return self.all_reduce(t.to(wide).clone()).to(t.dtype)
-
-    def max(self, value: float) -> float:
-        if self.world == 1:
-            return value
-        return float(self.all_reduce(torch.tensor([float(value)], dtype=torch.float64), "max")[0])
-
 
 class TorchComm(Comm):
     """A torch.distributed process group. Collectives run on the CPU for gloo and on the
@@ -346,115 +284,3 @@ def std(values: torch.Tensor, comm: Comm) -> float:
     n = comm.sum(int(v.numel()))
     mean = comm.sum(float(v.sum())) / n
     return math.sqrt(comm.sum(float(((v - mean) ** 2).sum())) / n)
-
-
-# ---- sharded k-means --------------------------------------------------------------------------
-
-def cluster_means(points: torch.Tensor, labels: torch.Tensor, weights: Optional[torch.Tensor],
-                  centroids: torch.Tensor, comm: Comm) -> torch.Tensor:
-    """``centroids`` [K, d] ← the weighted mean of each cluster's points over all ranks, in
-    place (an empty cluster keeps its centroid); returns the clusters' float64 weights [K].
-    One all-reduce of [K, d + 1] float64."""
-    from pflcore.ops.kmeans import _update
-
-    if comm.world == 1:
-        return _update(points, labels, weights, centroids)
-    K, d = centroids.shape
-    w = torch.ones(points.shape[0], dtype=torch.float64, device=points.device) if weights is None \
-        else weights.to(torch.float64)
-    acc = torch.zeros(K, d + 1, dtype=torch.float64, device=points.device)
-    if points.shape[0]:
-        acc[:, :d].index_add_(0, labels, points.to(torch.float64) * w[:, None])
-        acc[:, d].index_add_(0, labels, w)
-    comm.all_reduce(acc)
-    wsum = acc[:, d]
-    keep = wsum > 0
-    centroids[keep] = (acc[keep, :d] / wsum[keep, None]).to(centroids.dtype)
-    return wsum
-
-
-def _assign_local(points: torch.Tensor, centroids: torch.Tensor):
-    from pflcore.ops.kmeans import _assign
-
-    if points.shape[0] == 0:
-        return (torch.empty(0, dtype=torch.int64, device=points.device),
-                torch.empty(0, dtype=points.dtype, device=points.device))
-    return _assign(points.contiguous(), centroids.contiguous())
-
-
-def _kmeans_pp(points, k, weights, seed, comm: Comm) -> torch.Tensor:
-    """k-means++ over the points of every rank, as ``ops.kmeans`` seeds it: the same generator
-    draws u ∈ [0, total) on every rank; the rank whose cumulative share holds u picks the point
-    (searchsorted on its local cdf) and broadcasts it."""
-    gen = torch.Generator().manual_seed(int(seed))
-    N = points.shape[0]
-    w = torch.ones(N, dtype=torch.float64) if weights is None else weights.detach().cpu().to(torch.float64)
-
-    def draw(prob: torch.Tensor) -> torch.Tensor:
-        cdf = torch.cumsum(prob, 0)
-        totals = torch.stack(comm.all_gather(torch.tensor([float(cdf[-1]) if N else 0.0], dtype=torch.float64)))[:, 0]
-        cum = torch.cumsum(totals, 0)
-        u = torch.rand((), generator=gen, dtype=torch.float64) * cum[-1]
-        owner = int(torch.searchsorted(cum, u, right=True))
-        if owner >= comm.world:  # u at the very top: the last rank holding any mass
-            owner = int(torch.nonzero(totals > 0)[-1])
-        row = torch.empty(points.shape[1], dtype=points.dtype, device=points.device)
-        if comm.rank == owner:
-            local_u = u - (cum[owner] - totals[owner])
-            row.copy_(points[min(int(torch.searchsorted(cdf, local_u, right=True)), N - 1)])
-        return comm.broadcast(row, owner)
-
-    centroids = torch.empty(k, points.shape[1], dtype=points.dtype, device=points.device)
-    centroids[0] = draw(w)
-    d2 = _assign_local(points, centroids[:1])[1].detach().cpu().to(torch.float64)
-    for j in range(1, k):
-        prob = d2 * w
-        centroids[j] = draw(prob if comm.sum(float(prob.sum())) > 0 else w)
-        d2 = torch.minimum(d2, _assign_local(points, centroids[j:j + 1])[1].detach().cpu().to(torch.float64))
-    return centroids
-
-
-def kmeans(points: torch.Tensor, k: Optional[int] = None, *, init="k-means++", iters: int = 100, tol: float = 1e-6,
-           seed: int = 0, weights: Optional[torch.Tensor] = None, comm: Comm):
-    """``ops.kmeans`` over the points of every rank (each rank passes its own rows; the result's
-    ``labels`` are this rank's, the centroids and inertia are global). One process: exactly
-    ``ops.kmeans``. The Lloyd loop is ``ops.kmeans``'s: the stop tests use replicated values
-    (centroid shift, all-reduced inertia and label changes), so every rank iterates alike."""
-    from pflcore import ops
-    from pflcore.ops.kmeans import KMeans
-
-    if comm.world == 1:
-        return ops.kmeans(points, k, init=init, iters=iters, tol=tol, seed=seed, weights=weights)
-    N = comm.sum(int(points.shape[0]))
-    if isinstance(init, str):
-        if init != "k-means++":
-            raise ValueError(f"init: expected 'k-means++' or a [k, d] tensor of centroids, got {init!r}")
-        if k is None or k < 1 or k > N:
-            raise ValueError(f"k: expected 1 <= k <= N = {N} (points over all ranks), got {k!r}")
-        centroids = _kmeans_pp(points, k, weights, seed, comm)
-    else:
-        centroids = init.clone()
-    w64 = None if weights is None else weights.to(torch.float64)
-
-    def inertia_of(sq):
-        local = float(sq.to(torch.float64).sum() if w64 is None else (sq.to(torch.float64) * w64).sum())
-        return comm.sum(local)
-
-    labels, sq = _assign_local(points, centroids)
-    history = [inertia_of(sq)]
-    scale = 0.0
-    if N > 1:  # Σ over features of the population variance, in two passes like torch.var
-        mean = comm.sum(points.to(torch.float64).sum(0)) / N
-        scale = comm.sum(float(((points.to(torch.float64) - mean) ** 2).sum())) / N
-    it = 0
-    for it in range(1, iters + 1):
-        previous = centroids.clone()
-        cluster_means(points, labels, weights, centroids, comm)
-        new_labels, sq = _assign_local(points, centroids)
-        history.append(inertia_of(sq))
-        shift = float(((centroids - previous).to(torch.float64) ** 2).sum())
-        changed = comm.sum(int((new_labels != labels).sum()))
-        labels = new_labels
-        if changed == 0 or shift <= tol * scale:
-            break
-    return KMeans(centroids, labels, history[-1], it, history)

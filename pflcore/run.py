@@ -20,7 +20,7 @@ from pflcore.algorithms.base import Algorithm, Context, state_tensors
 from pflcore.data.federation import Federation
 from pflcore.models.glm import GLM
 from pflcore.models.nets import TorchNet
-from pflcore.ops._checks import NonFiniteError
+from pflcore.errors import NonFiniteError
 from pflcore.result import Result
 
 

@@ -99,8 +99,8 @@ def test_perfedavg_runs_and_hvp_is_exact(variant):
     res = pflcore.run(A.PerFedAvg(alpha=0.05, beta=0.05, variant=variant, local_steps=3, batch_size=8), fed, model,
                       rounds=20, eval_every=10, progress=False)
     assert res.final("personalized_acc") > 0.4
-    # glm_hvp against autograd's Hessian-vector product of the same minibatch loss.
-    from pflcore.algorithms.perfedavg import glm_hvp
+    # ops.hvp against autograd's Hessian-vector product of the same minibatch loss.
+    from pflcore import ops
     theta = torch.randn(1, model.d, dtype=torch.float64)
     v = torch.randn(1, model.d, dtype=torch.float64)
     f64 = fed.train.to(dtype=torch.float64)
@@ -112,7 +112,7 @@ def test_perfedavg_runs_and_hvp_is_exact(variant):
         return torch.nn.functional.cross_entropy(X @ W[:7] + W[7], y) + 0.005 * (t ** 2).sum()
 
     want = torch.autograd.functional.hvp(loss, theta[0], v[0])[1]
-    torch.testing.assert_close(glm_hvp(model, theta, v, f64.x, f64.y, idx)[0], want)
+    torch.testing.assert_close(ops.hvp(model, theta, v, f64, batches=idx, rows=[0])[0], want)
 
 
 def test_bad_configuration_fails_before_any_work():

@@ -10,33 +10,58 @@ import sys
 import pytest
 import torch
 
-from pflcore import backend, ops
+from pflcore import backend, models, ops
+from pflcore.errors import BackendUnavailable
+
+
+CPU = torch.zeros(1)
+GLM = models.Softmax(3, 2)
 
 
 def test_automatic_choice_on_cpu_is_native_and_use_overrides_it():
-    assert backend.select("local_steps", torch.device("cpu"))[0] == "native"
+    assert backend.select("local_steps", GLM, CPU).name == "native"
     with backend.use("reference"):
-        assert backend.select("local_steps", torch.device("cpu"))[0] == "reference"
+        assert backend.select("local_steps", GLM, CPU).name == "reference"
         with backend.use("native"):
-            assert backend.select("kmeans_assign", torch.device("cpu"))[0] == "native"
+            assert backend.select("kmeans_assign", None, CPU).name == "native"
         assert backend.requested() == "reference"
     assert backend.requested() is None
 
 
+def test_nets_take_the_nets_adapter_unless_the_reference_is_asked_for():
+    net = models.MLP(3, 4, 2)
+    assert backend.select("local_steps", net, CPU).name == "nets"
+    with backend.use("native"):  # no native kernel for nets: the implementation chosen by type
+        assert backend.select("gradients", net, CPU).name == "nets"
+    with backend.use("reference"):
+        assert backend.select("evaluate", net, CPU).name == "reference"
+
+
+def test_each_adapter_serves_the_ops_it_defines():
+    """The op lists come from the adapters' methods: the reference has every op, the others a
+    subset of it; every public op of pflcore.ops that runs on a backend is one of them."""
+    ref = backend.ADAPTERS["reference"].ops()
+    for name, a in backend.ADAPTERS.items():
+        assert a.ops() <= ref, name
+    assert {"local_steps", "gradients", "evaluate", "hvp", "sample_batches", "kmeans_assign", "kmeans_update",
+            "anderson_push", "anderson_mix", "gram", "anderson_solve", "average"} == set(ref)
+    assert backend.ADAPTERS["native"].ops() == ref - {"hvp"}
+    assert backend.ADAPTERS["nets"].ops() == {"local_steps", "gradients", "evaluate", "hvp"}
+
+
 def test_reference_backend_really_runs_the_reference(monkeypatch):
     calls = []
-    import importlib
-
-    km = importlib.import_module("pflcore.ops.kmeans")  # the module, not the function of that name
-
-    real = km.kmeans_assign_ref
-    monkeypatch.setattr(km, "kmeans_assign_ref", lambda *a, **k: calls.append(1) or real(*a, **k))
+    ref = backend.ADAPTERS["reference"]
+    real = type(ref).kmeans_assign
+    monkeypatch.setattr(type(ref), "kmeans_assign", lambda self, *a: calls.append(1) or real(self, *a))
     pts = torch.randn(6, 2)
     ops.kmeans_assign(pts, pts[:2])
     assert calls == []
     with backend.use("reference"):
         ops.kmeans_assign(pts, pts[:2])
     assert calls == [1]
+    assert torch.equal(ops.kmeans_assign_ref(pts, pts[:2])[0], ops.kmeans_assign(pts, pts[:2])[0])
+    assert calls == [1, 1]
 
 
 def test_requested_backend_that_cannot_serve_raises():
@@ -44,21 +69,21 @@ def test_requested_backend_that_cannot_serve_raises():
         with backend.use("fast"):
             pass
     if not backend.status()["triton"][0]:  # usable where installed and (GPU or interpreter)
-        with pytest.raises(backend.BackendUnavailable, match="triton"):
+        with pytest.raises(BackendUnavailable, match="triton"):
             with backend.use("triton"):
                 pass
     if not torch.cuda.is_available():
-        with pytest.raises(backend.BackendUnavailable, match="cuda"):
+        with pytest.raises(BackendUnavailable, match="cuda"):
             with backend.use("cuda"):
                 pass
 
 
 def test_environment_variable_selects_and_validates(monkeypatch):
     monkeypatch.setenv("PFLCORE_BACKEND", "reference")
-    assert backend.select("average", torch.device("cpu"))[0] == "reference"
+    assert backend.select("average", None, CPU).name == "reference"
     monkeypatch.setenv("PFLCORE_BACKEND", "triton")
     if backend.status()["triton"][0] and "average" not in backend.ops_of("triton"):  # the reference runs it
-        assert backend.select("average", torch.device("cpu"))[0] == "reference"
+        assert backend.select("average", None, CPU).name == "reference"
         assert torch.equal(ops.average(torch.ones(2, 3), torch.ones(2)), torch.ones(3))
     monkeypatch.setenv("PFLCORE_BACKEND", "nonsense")
     with pytest.raises(ValueError, match="PFLCORE_BACKEND: expected one of"):
@@ -86,7 +111,7 @@ def test_cuda_module_was_built_where_nvcc_exists():
 
     mod = importlib.import_module("pflcore._core_cuda")
     info = mod.build_info()
-    assert "kmeans_assign" in info["ops"]
+    assert hasattr(mod, "kmeans_assign") and hasattr(mod, "local_steps")
     assert info["architectures"] == "80,90"
     if not torch.cuda.is_available():
         assert mod.device_count() == 0

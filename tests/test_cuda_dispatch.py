@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from pflcore import backend, models
-from pflcore.ops import _cuda
+from pflcore.backends import cuda as _cuda
+from pflcore.errors import BackendUnavailable, CudaKernelError
 
 CUDA = torch.device("cuda", 0)
 
@@ -50,7 +51,7 @@ def test_glm_args_check_every_pointer(monkeypatch, family, C, dtype):
         seen[name] = (t, device, dt)
         return 1
     monkeypatch.setattr(_cuda, "ptr", spy)
-    args = _cuda.glm_args(model, theta, data, torch.arange(2))
+    args = _cuda.glm_args(model, theta, data, None)
     label = torch.int64 if family == "softmax" else dtype
     assert {k: v[2] for k, v in seen.items()} == {"theta": dtype, "x": dtype, "y": label, "offsets": torch.int64,
                                                   "rows": torch.int64}
@@ -66,17 +67,25 @@ def test_glm_args_check_every_pointer(monkeypatch, family, C, dtype):
 def _fake_cuda(max_classes=(2048, 1024), runtime=None, archs="80,90"):
     runtime = runtime or {"device_count": 1, "error": "", "driver_version": 13000, "runtime_version": 13000}
     return types.SimpleNamespace(
-        build_info=lambda: {"ops": ["local_steps", "gradients", "evaluate", "kmeans_assign", "kmeans_update",
-                                    "anderson"], "max_classes": max_classes, "architectures": archs,
-                            "cuda_runtime_version": 13000},
+        build_info=lambda: {"max_classes": max_classes, "architectures": archs, "cuda_runtime_version": 13000},
         runtime_status=lambda: dict(runtime), device_count=lambda: runtime["device_count"])
 
 
 @pytest.fixture
 def fake_cuda(monkeypatch):
+    """The cuda adapter with a stand-in module, as if it had loaded on a GPU machine."""
     mod = _fake_cuda()
-    monkeypatch.setitem(backend._loaded, "cuda", (mod, ""))
-    return mod
+    monkeypatch.setattr(backend.ADAPTERS["cuda"], "_state", (mod, ""))
+    backend._reset_cache()
+    yield mod
+    backend._reset_cache()
+
+
+class _Tensor:
+    """Enough of a CUDA tensor for select(): its device type and dtype."""
+
+    def __init__(self, dtype):
+        self.dtype, self.is_cpu, self.is_cuda = dtype, False, True
 
 
 @pytest.mark.parametrize("dtype,C,cuda_takes", [(torch.float32, 2048, True), (torch.float32, 2049, False),
@@ -85,51 +94,41 @@ def test_too_many_classes_for_the_cuda_kernels_falls_back(fake_cuda, dtype, C, c
     """The GLM kernels keep one row's logits in a fixed shared-memory scratch: beyond the
     module's max_classes the automatic choice goes on (to triton on a GPU; to the reference
     here, where Triton is only the interpreter) and a request by name says why it cannot."""
-    limit = _cuda.glm_limit(models.Softmax(2, C), dtype)
+    model, t = models.Softmax(2, C), _Tensor(dtype)
     for op in ("local_steps", "gradients", "evaluate"):
-        name, _ = backend.select(op, CUDA, limit)
+        name = backend.select(op, model, t).name
         assert name == ("cuda" if cuda_takes else "reference"), (op, name)
     with backend.use("cuda"):
         if cuda_takes:
-            assert backend.select("local_steps", CUDA, limit)[0] == "cuda"
+            assert backend.select("local_steps", model, t).name == "cuda"
         else:
-            with pytest.raises(backend.BackendUnavailable,
-                               match=rf"local_steps: backend 'cuda' .* at most C = {C - 1} classes"):
-                backend.select("local_steps", CUDA, limit)
-    assert backend.select("kmeans_assign", CUDA)[0] == "cuda", "other ops are not limited"
+            with pytest.raises(BackendUnavailable, match=rf"local_steps: backend 'cuda' .* at most C = {C - 1} classes"):
+                backend.select("local_steps", model, t)
+    assert backend.select("kmeans_assign", None, t).name == "cuda", "other ops are not limited"
 
 
-def test_ops_pass_the_class_limit_to_the_dispatch(fake_cuda, monkeypatch):
-    """local_steps, gradients and evaluate ask select() with the model's limit: stop the op at
-    select and look at what it was given."""
-    seen = []
-
-    def spy(op, device, limit=None):
-        seen.append((op, limit is not None and limit("cuda", fake_cuda)))
-        raise KeyboardInterrupt  # leave the op before any kernel
-    monkeypatch.setattr(backend, "select", spy)
-    from conftest import make_data
-    from pflcore import ops
-
-    model = models.Softmax(2, 3000)
-    data = make_data(model, [2, 1], torch.float32)
-    theta = torch.zeros(2, model.d)
-    for call in (lambda: ops.local_steps(model, theta, data, steps=1, lr=0.1),
-                 lambda: ops.gradients(model, theta, data), lambda: ops.evaluate(model, theta, data)):
-        with pytest.raises(KeyboardInterrupt):
-            call()
-    assert [op for op, _ in seen] == ["local_steps", "gradients", "evaluate"]
-    assert all(isinstance(why, str) and "C = 2048" in why for _, why in seen)
+def test_the_cuda_adapter_serves_what_its_methods_say(fake_cuda):
+    """No list of op names: the adapter's methods are its ops; an op it lacks (average,
+    sample_batches, hvp) goes to the reference even when cuda is requested."""
+    ops_ = backend.ADAPTERS["cuda"].ops()
+    assert {"local_steps", "gradients", "evaluate", "kmeans_assign", "kmeans_update", "anderson_push",
+            "anderson_mix", "gram"} == set(ops_)
+    t = _Tensor(torch.float32)
+    with backend.use("cuda"):
+        for op in ("average", "sample_batches", "hvp", "anderson_solve"):
+            assert backend.select(op, None, t).name == "reference"
 
 
 # ---- load and launch failures -------------------------------------------------------------------
 
 def _status_with(monkeypatch, importer):
-    monkeypatch.delitem(backend._loaded, "cuda", raising=False)
+    adapter = backend.ADAPTERS["cuda"]
+    monkeypatch.setattr(adapter, "_state", None)
     real = importlib.import_module
-    monkeypatch.setattr(backend.importlib, "import_module",
+    monkeypatch.setattr(_cuda.importlib, "import_module",
                         lambda name, *a: importer(name) if name == "pflcore._core_cuda" else real(name, *a))
-    return backend.status()["cuda"]
+    out = backend.status()["cuda"]
+    return out
 
 
 def test_a_module_that_is_missing_or_does_not_load_says_which(monkeypatch):
@@ -142,7 +141,7 @@ def test_a_module_that_is_missing_or_does_not_load_says_which(monkeypatch):
         raise ImportError("libcudart.so.13: cannot open shared object file")
     ok, why = _status_with(monkeypatch, broken)
     assert not ok and why.startswith("built, but pflcore._core_cuda failed to load (ImportError: libcudart.so.13")
-    with pytest.raises(backend.BackendUnavailable, match="failed to load"):
+    with pytest.raises(BackendUnavailable, match="failed to load"):
         with backend.use("cuda"):
             pass
 
@@ -173,7 +172,7 @@ def test_devices_older_than_the_built_architectures_are_refused(monkeypatch):
 def test_a_failed_launch_names_the_op_and_the_way_around():
     def launch_fails(*args):
         raise RuntimeError("kmeans_assign: CUDA error cudaErrorNoKernelImageForDevice: no kernel image")
-    with pytest.raises(_cuda.CudaKernelError, match=r"^kmeans_assign: the CUDA backend failed to launch its kernel \(kmeans_assign: "
+    with pytest.raises(CudaKernelError, match=r"^kmeans_assign: the CUDA backend failed to launch its kernel \(kmeans_assign: "
                                                     r"CUDA error cudaErrorNoKernelImageForDevice.*"
                                                     r"PFLCORE_BACKEND=triton or =reference"):
         _cuda.launch("kmeans_assign", launch_fails, 1, 2)
@@ -192,7 +191,7 @@ def test_pflcore_cuda_sync_reports_a_failure_while_the_kernel_ran(monkeypatch):
     _cuda.launch("local_steps", lambda *a: None)  # off by default: no synchronize
     assert syncs == []
     monkeypatch.setenv("PFLCORE_CUDA_SYNC", "1")
-    with pytest.raises(_cuda.CudaKernelError, match=r"^local_steps: the CUDA kernel failed while it ran "
+    with pytest.raises(CudaKernelError, match=r"^local_steps: the CUDA kernel failed while it ran "
                                                     r"\(CUDA error: an illegal memory access"):
         _cuda.launch("local_steps", lambda *a: None)
     assert syncs == [1]

@@ -17,7 +17,7 @@ import torch
 import pflcore
 from pflcore import ClientData, data, models, ops
 from pflcore import algorithms as A
-from pflcore.ops import _nets
+from pflcore.backends import nets as _nets
 
 from conftest import DTYPES, TOL, make_data
 
@@ -231,7 +231,7 @@ def test_bad_input_raises_value_errors():
         ops.gradients(net, th.double(), d_)
     with pytest.raises(ValueError, match="p = 6"):
         ops.evaluate(models.MLP(6, 3, 2), models.MLP(6, 3, 2).initial(2), d_)
-    with pytest.raises(ValueError, match=r"y: labels must lie in \[0, 2\)"):
+    with pytest.raises(ValueError, match=r"^y: expected labels in \[0, 2\), got y\[0\] = 2$"):
         ops.gradients(net, th, ClientData(d_.x, torch.full_like(d_.y, 2), d_.offsets))
     with pytest.raises(ValueError, match="anchor: expected shape"):
         ops.local_steps(net, th, d_, steps=1, lr=0.1, anchor=th[:, :3].contiguous())
@@ -263,8 +263,8 @@ def test_hvp_matches_double_backward():
     d_ = make_data(net, [5, 4], torch.float64, seed=20)
     theta, v = _theta(net, 2, torch.float64, seed=21), _theta(net, 2, torch.float64, seed=22)
     b = ops.sample_batches(d_, steps=1, batch_size=6, seed=0, counter=0)[:, 0].contiguous()
-    got = _nets.hvp(net, theta, v, d_.x, d_.y, b)
-    torch.testing.assert_close(got, _nets.hvp_ref(net, theta, v, d_.x, d_.y, b), rtol=1e-11, atol=1e-11)
+    got = ops.hvp(net, theta, v, d_, batches=b)
+    torch.testing.assert_close(got, ops.hvp_ref(net, theta, v, d_, batches=b), rtol=1e-11, atol=1e-11)
     # against a central finite difference of the gradient
     eps = 1e-6
     fd = (ops.gradients(net, theta + eps * v, d_, batches=b) - ops.gradients(net, theta - eps * v, d_, batches=b)) / (2 * eps)
@@ -344,7 +344,6 @@ def test_resume_equals_uninterrupted_run_bitwise_with_a_cnn(tmp_path):
 SCRIPT = r"""
 import hashlib, torch
 from pflcore import ClientData, models, ops
-from pflcore.ops import _nets
 g = torch.Generator().manual_seed(0)
 sizes = torch.randint(1, 60, (40,), generator=g)
 off = torch.cat([torch.zeros(1, dtype=torch.int64), sizes.cumsum(0)])
@@ -358,7 +357,7 @@ for net in (models.MLP(64, (32, 16), 10, l2=0.01), models.CNN(64, 10, kernel_siz
         b = ops.sample_batches(data, steps=3, batch_size=16, seed=4, counter=2, clients=rows)
         ops.local_steps(net, theta, data, steps=3, lr=0.1, prox=0.2, anchor=theta.mean(0), batches=b, rows=rows)
         ops.local_steps(net, theta, data, steps=2, lr=0.1, rows=rows)
-        hv = _nets.hvp(net, theta, theta.flip(0).contiguous(), data.x, data.y, b[:, 0].contiguous())
+        hv = ops.hvp(net, theta, theta.flip(0).contiguous(), data, batches=b[:, 0].contiguous(), rows=rows)
         for t in (theta, hv, ops.gradients(net, theta, data, rows=rows), *ops.evaluate(net, theta, data, rows=rows)):
             h.update(t.numpy().tobytes())
 print(h.hexdigest())
@@ -367,7 +366,7 @@ print(h.hexdigest())
 
 def test_nets_bitwise_identical_with_one_two_and_three_threads():
     """MKL's one- and many-thread GEMMs round differently; the net ops run every chunk of model
-    rows on one thread (ops/_nets.py), so the thread count must not change a bit."""
+    rows on one thread (pflcore/backends/nets.py), so the thread count must not change a bit."""
     digests = []
     for threads in (1, 2, 3):
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))

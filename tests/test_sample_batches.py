@@ -5,7 +5,7 @@ import torch
 
 from conftest import make_data, make_model, random_sizes
 from pflcore import ops
-from pflcore.ops.sample_batches import _murmur3_words
+from pflcore.backends.reference import murmur3_words as _murmur3_words
 
 
 def _murmur3_bytes(data: bytes, seed: int = 0) -> int:

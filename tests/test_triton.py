@@ -18,6 +18,7 @@ import torch
 
 from conftest import DTYPES, TOL, make_data, make_model, random_sizes
 from pflcore import backend, ops
+from pflcore.errors import BackendUnavailable
 
 pytest.importorskip("triton", reason="the triton extra is not installed: pip install 'pflcore[triton]'")
 tt = importlib.import_module("pflcore.triton")
@@ -151,14 +152,13 @@ def test_kmeans_assign_exact_ties_and_nan(use_triton):
     assert torch.equal(labels, full.argmin(1)) and torch.equal(sq.double(), full.min(1).values)
     assert not bool(((labels == 17) | (labels == 19)).any())
     centroids[2, 1] = float("nan")
-    with pytest.raises(ValueError, match="centroids: contains 1 NaN"):
+    with pytest.raises(ValueError, match="centroids: row 2 holds a NaN or infinite value"):
         ops.kmeans_assign(points, centroids)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("weighted", [False, True])
 def test_kmeans_update_matches_reference(dtype, weighted):
-    km = importlib.import_module("pflcore.ops.kmeans")
     g = torch.Generator().manual_seed(4)
     N, K, d = 37, 5, 19
     points = torch.randn(N, d, generator=g, dtype=dtype).to(DEV)
@@ -166,9 +166,8 @@ def test_kmeans_update_matches_reference(dtype, weighted):
     weights = (torch.rand(N, generator=g, dtype=dtype) + 0.1).to(DEV) if weighted else None
     start = torch.randn(K, d, generator=g, dtype=dtype).to(DEV)
     got, want = start.clone(), start.clone()
-    with backend.use("triton"):
-        wsum = km._update(points, labels, weights, got)
-    rwsum = km.kmeans_update_ref(points, labels, weights, want)
+    wsum = backend.adapter("triton").kmeans_update(points, labels, weights, got)
+    rwsum = backend.adapter("reference").kmeans_update(points, labels, weights, want)
     torch.testing.assert_close(got, want, **TOL[dtype])
     torch.testing.assert_close(wsum, rwsum, rtol=1e-14, atol=1e-14)
     assert torch.equal(got[K - 1], start[K - 1]), "an empty cluster keeps its centroid"
@@ -188,7 +187,7 @@ def test_kmeans_whole_run_matches_reference(use_triton):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_anderson_push_and_mix_match_reference(dtype):
-    am = importlib.import_module("pflcore.ops.anderson")
+    ref = backend.adapter("reference")
     g = torch.Generator().manual_seed(1)
     H, D = 4, 2500  # D spans three blocks of the dot kernel
     R0 = torch.randn(H, D, generator=g, dtype=dtype).to(DEV)
@@ -198,13 +197,13 @@ def test_anderson_push_and_mix_match_reference(dtype):
     R1, TU1, R2, TU2 = R0.clone(), TU0.clone(), R0.clone(), TU0.clone()
     dots = torch.empty(3, dtype=torch.float64)
     tt.anderson_push(u, tu, R1, TU1, 2, torch.tensor(order).to(DEV), dots)
-    want = am._push_ref(u, tu, R2, TU2, 2, order)
+    want = ref.anderson_push(u, tu, R2, TU2, 2, order)
     assert torch.equal(R1, R2) and torch.equal(TU1, TU2)
     torch.testing.assert_close(dots, want, rtol=1e-12, atol=1e-12)
     pi = torch.tensor([0.5, -0.25, 0.75], dtype=torch.float64)
     out = torch.empty(D, dtype=dtype).to(DEV)
     tt.anderson_mix(TU1, torch.tensor(order).to(DEV), pi.to(DEV), out)
-    torch.testing.assert_close(out, am._mix_ref(TU2, order, pi), **TOL[dtype])
+    torch.testing.assert_close(out, ref.anderson_mix(TU2, order, pi), **TOL[dtype])
 
 
 def test_anderson_weights_and_a_run_match_reference(use_triton):
@@ -258,18 +257,18 @@ def test_anderson_kernels_take_row_offsets_in_int64():
 # ---- dispatch -------------------------------------------------------------------------------
 
 def test_triton_serves_cpu_tensors_only_by_name(monkeypatch):
-    assert set(backend.ops_of("triton")) >= {"local_steps", "gradients", "evaluate", "kmeans_assign",
-                                             "kmeans_update", "anderson"}
+    assert set(backend.ops_of("triton")) == {"local_steps", "gradients", "evaluate", "kmeans_assign",
+                                             "kmeans_update", "anderson_push", "anderson_mix", "gram"}
     if not tt.INTERPRETED:
         pytest.skip("compiled Triton serves CUDA tensors only")
-    cpu = torch.device("cpu")
-    assert backend.select("local_steps", cpu)[0] == "native"  # the automatic order skips it
+    cpu, glm = torch.zeros(1), make_model("softmax", 3, 2)
+    assert backend.select("local_steps", glm, cpu).name == "native"  # the automatic order skips it
     with backend.use("triton"):
-        assert backend.select("local_steps", cpu)[0] == "triton"
+        assert backend.select("local_steps", glm, cpu).name == "triton"
         # an op triton has no kernel for runs on the reference, so whole runs can be forced
-        assert backend.select("average", cpu)[0] == "reference"
+        assert backend.select("average", None, cpu).name == "reference"
     monkeypatch.setenv("PFLCORE_BACKEND", "triton")
-    assert backend.select("kmeans_assign", cpu)[0] == "triton"
+    assert backend.select("kmeans_assign", None, cpu).name == "triton"
     # and the dispatch really runs the Triton kernel: make it fail
     monkeypatch.setattr(tt, "kmeans_assign", lambda *a: (_ for _ in ()).throw(RuntimeError("triton ran")))
     with pytest.raises(RuntimeError, match="triton ran"):
@@ -278,14 +277,14 @@ def test_triton_serves_cpu_tensors_only_by_name(monkeypatch):
 
 def test_use_triton_without_triton_installed_raises_with_the_reason(monkeypatch):
     monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` now raises ImportError
-    monkeypatch.delitem(backend._loaded, "triton", raising=False)
-    with pytest.raises(backend.BackendUnavailable, match=r"triton is not installed: pip install 'pflcore\[triton\]'"):
+    monkeypatch.setattr(backend.adapter("triton"), "_state", None)
+    with pytest.raises(BackendUnavailable, match=r"triton is not installed: pip install 'pflcore\[triton\]'"):
         with backend.use("triton"):
             pass
     assert backend.status()["triton"][0] is False
-    assert backend.select("local_steps", torch.device("cpu"))[0] == "native"
+    assert backend.select("local_steps", make_model("softmax", 3, 2), torch.zeros(1)).name == "native"
     monkeypatch.setenv("PFLCORE_BACKEND", "triton")
-    with pytest.raises(backend.BackendUnavailable, match="triton is not installed"):
+    with pytest.raises(BackendUnavailable, match="triton is not installed"):
         ops.kmeans_assign(torch.zeros(2, 2), torch.zeros(1, 2))
     monkeypatch.undo()  # restores the cached real module
     assert backend.loaded("triton") is tt

@@ -68,7 +68,12 @@ inline double norm2(const double* v, int64_t d) {
 
 template <typename T>
 void kmeans_assign(const T* points, const T* centroids, int64_t N, int64_t K, int64_t d,
-                   int64_t* labels, T* sqdist) {
+                   int64_t* labels, T* sqdist, Faults& faults) {
+  for (int64_t k = 0; k < K; ++k)
+    if (!all_finite(centroids + k * d, d)) {
+      faults.add(-1, FaultKind::NonFinite, "centroids: row %lld holds a NaN or infinite value", ll(k));
+      return;
+    }
   // |fl(x·c) − x·c| ≤ γ_d Σ|x_j c_j| ≤ γ_d ‖x‖‖c‖ with γ_d ≈ d·u for any summation order, and
   // the float64 norms are exact to far less; 10% and 4 extra roundings of slack on top.
   const double u = std::numeric_limits<T>::epsilon() / 2;
@@ -86,10 +91,17 @@ void kmeans_assign(const T* points, const T* centroids, int64_t N, int64_t K, in
       const int np = i0 + 1 < N ? 2 : 1;
       const T* x[2] = {points + i0 * d, points + (i0 + np - 1) * d};  // a lone point pairs with itself
       double xnorm2[2], xnorm[2];
+      bool finite = true;
       for (int q = 0; q < 2; ++q) {
         xnorm2[q] = norm2(x[q], d);
         xnorm[q] = std::sqrt(xnorm2[q]);
+        // A NaN/inf coordinate makes the norm non-finite (so does a huge finite one: confirm)
+        if (!std::isfinite(xnorm2[q]) && q < np && !all_finite(x[q], d)) {
+          faults.add(i0 + q, FaultKind::NonFinite, "points: row %lld holds a NaN or infinite value", ll(i0 + q));
+          finite = false;
+        }
       }
+      if (!finite) continue;
       for (int64_t k = 0; k < K; k += 4) {
         const T* c[4];
         for (int v = 0; v < 4; ++v) c[v] = centroids + std::min(k + v, K - 1) * d;
@@ -126,7 +138,19 @@ void kmeans_assign(const T* points, const T* centroids, int64_t N, int64_t K, in
 
 template <typename T>
 void kmeans_update(const T* points, const int64_t* labels, const T* weights, int64_t N, int64_t K,
-                   int64_t d, T* centroids, double* weight_sum) {
+                   int64_t d, T* centroids, double* weight_sum, Faults& faults) {
+  for (int64_t i = 0; i < N; ++i) {
+    if (labels[i] < 0 || labels[i] >= K) {
+      faults.add(i, FaultKind::Value, "labels: expected cluster indices in [0, %lld), got labels[%lld] = %lld", ll(K),
+                 ll(i), ll(labels[i]));
+      return;
+    }
+    if (weights && !(std::isfinite(weights[i]) && weights[i] >= T(0))) {
+      faults.add(i, std::isfinite(weights[i]) ? FaultKind::Value : FaultKind::NonFinite,
+                 "weights: expected finite weights >= 0, got weights[%lld] = %g", ll(i), double(weights[i]));
+      return;
+    }
+  }
   std::fill(weight_sum, weight_sum + K, 0.0);
   for (int64_t i = 0; i < N; ++i) weight_sum[labels[i]] += weights ? double(weights[i]) : 1.0;
   // Each thread owns a slice of the columns and walks the points in order, so every sum
@@ -155,13 +179,13 @@ void kmeans_update(const T* points, const int64_t* labels, const T* weights, int
   }
 }
 
-template void kmeans_assign<float>(const float*, const float*, int64_t, int64_t, int64_t,
-                                   int64_t*, float*);
-template void kmeans_assign<double>(const double*, const double*, int64_t, int64_t, int64_t,
-                                    int64_t*, double*);
-template void kmeans_update<float>(const float*, const int64_t*, const float*, int64_t, int64_t,
-                                   int64_t, float*, double*);
-template void kmeans_update<double>(const double*, const int64_t*, const double*, int64_t,
-                                    int64_t, int64_t, double*, double*);
+template void kmeans_assign<float>(const float*, const float*, int64_t, int64_t, int64_t, int64_t*, float*,
+                                   Faults&);
+template void kmeans_assign<double>(const double*, const double*, int64_t, int64_t, int64_t, int64_t*, double*,
+                                    Faults&);
+template void kmeans_update<float>(const float*, const int64_t*, const float*, int64_t, int64_t, int64_t, float*,
+                                   double*, Faults&);
+template void kmeans_update<double>(const double*, const int64_t*, const double*, int64_t, int64_t, int64_t,
+                                    double*, double*, Faults&);
 
 }  // namespace pflcore::cpu

@@ -4,15 +4,16 @@
 
 namespace pflcore::cpu {
 
-void sample_batches(const int64_t* offsets, const int64_t* clients, const int64_t* client_ids,
-                    int64_t R, int64_t steps, int64_t B, uint32_t seed, uint32_t counter,
-                    int32_t* out) {
+void sample_batches(const int64_t* offsets, int64_t m, int64_t N, const int64_t* clients, int64_t first_id,
+                    int64_t R, int64_t steps, int64_t B, uint32_t seed, uint32_t counter, int32_t* out,
+                    Faults& faults) {
   // Small draws (a round's minibatches) are not worth waking the thread team.
 #pragma omp parallel for schedule(static) if (R * steps * B > 65536)
   for (int64_t r = 0; r < R; ++r) {
-    const int64_t i = clients[r];
-    const int64_t lo = offsets[i], n = offsets[i + 1] - lo;
-    const uint32_t id = static_cast<uint32_t>(client_ids[r]);
+    int64_t i, lo, hi;
+    if (!client_of_row(clients, offsets, m, N, r, &i, &lo, &hi, faults, "clients")) continue;
+    const int64_t n = hi - lo;
+    const uint32_t id = static_cast<uint32_t>(first_id + i);
     for (int64_t s = 0; s < steps; ++s)
       for (int64_t j = 0; j < B; ++j) {
         const uint32_t h = sample_hash(seed, counter, id, static_cast<uint32_t>(s),

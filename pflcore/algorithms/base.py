@@ -159,13 +159,13 @@ class Context:
 
     def kmeans(self, points: torch.Tensor, k: Optional[int] = None, **kwargs) -> "ops.KMeans":
         """``ops.kmeans`` over the points of every rank (labels of the local points)."""
-        return distributed.kmeans(points, k, comm=self.comm, **kwargs)
+        return ops.kmeans(points, k, comm=self.comm, **kwargs)
 
     def cluster_means(self, points: torch.Tensor, labels: torch.Tensor, weights: Optional[torch.Tensor],
                       centroids: torch.Tensor) -> torch.Tensor:
         """``centroids`` ← weighted cluster means over every rank's points, in place (empty
         clusters keep theirs); returns the clusters' float64 weights."""
-        return distributed.cluster_means(points, labels, weights, centroids, self.comm)
+        return ops.cluster_means(points, labels, weights, centroids, self.comm)
 
 
 class Algorithm:

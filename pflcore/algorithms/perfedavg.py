@@ -5,7 +5,8 @@ Each sampled client starts from w and takes τ steps of
     ĝ = (I − α∇²f(w; D''))∇f(w − α∇f(w; D); D')                  (HF)
 on independent minibatches D, D', D''; the server averages. The personalized model of client
 i is one step from the global model on its own data: θ_i = w − α∇f_i(w). For GLMs the
-Hessian-vector product is exact (``glm_hvp`` below), not a finite difference.
+Hessian-vector product is exact (``ops.hvp``: closed form for GLMs, autodiff for nets), not a
+finite difference.
 """
 from __future__ import annotations
 
@@ -15,35 +16,6 @@ import torch
 
 from pflcore import ops
 from pflcore.algorithms.base import Algorithm, Context, count_int, per_client, positive, replicate
-from pflcore.models.glm import GLM
-from pflcore.ops import _nets
-
-
-def glm_hvp(model: GLM, theta: torch.Tensor, v: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
-            batches: torch.Tensor) -> torch.Tensor:
-    """∇²f_i(θ_r; B_r) v_r for every row r, exactly, vectorized over rows with bmm.
-
-    theta, v: [R, d]; batches: int32 [R, B] absolute row indices. With z = Xθ the logits,
-    ∇²(mean loss) v = Xᵀ J (X v) / B where J is the Hessian of the loss in z (1 for least
-    squares, σ(1−σ) for logistic, diag(s) − ssᵀ for softmax), plus l2·v.
-    """
-    R, B = batches.shape
-    P, C = model.P, model.C
-    idx = batches.to(torch.int64)
-    X = x[idx]                                                    # [R, B, p]
-    if model.fit_intercept:
-        X = torch.cat([X, torch.ones(R, B, 1, dtype=X.dtype, device=X.device)], dim=2)  # [R, B, P]
-    W, V = theta.view(R, P, C), v.view(R, P, C)
-    z, zv = torch.bmm(X, W), torch.bmm(X, V)                     # [R, B, C]
-    if model.family == "least_squares":
-        jzv = zv
-    elif model.family == "logistic":
-        s = torch.sigmoid(z)
-        jzv = s * (1 - s) * zv
-    else:
-        s = torch.softmax(z, dim=2)
-        jzv = s * (zv - (s * zv).sum(dim=2, keepdim=True))
-    return (torch.bmm(X.transpose(1, 2), jzv) / B).reshape(R, P * C) + model.l2 * v
 
 
 @dataclass
@@ -82,8 +54,7 @@ class PerFedAvg(Algorithm):
             tmp = W - self.alpha * ops.gradients(ctx.model, W, ctx.train, rows=S, batches=D)
             g = ops.gradients(ctx.model, tmp, ctx.train, rows=S, batches=D2)
             if self.variant == "HF":
-                hvp = _nets.hvp if _nets.is_net(ctx.model) else glm_hvp  # nets: exact, by torch.func
-                g = g - self.alpha * hvp(ctx.model, W, g, ctx.train.x, ctx.train.y, D3)
+                g = g - self.alpha * ops.hvp(ctx.model, W, g, ctx.train, batches=D3, rows=S)
             W = W - self.beta * g
         state.w = ctx.average(W.contiguous(), ctx.weights[S])
         state.personal = self._personalize(state.w, ctx)

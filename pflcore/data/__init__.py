@@ -1,5 +1,5 @@
 """Client data (DESIGN.md §2) and, in the modules beside, generators and partitioners (§6)."""
-from pflcore.data.client_data import ClientData
+from pflcore.client_data import ClientData
 from pflcore.data.federation import Federation
 from pflcore.data.generators import contexts, least_squares, logistic_truth, synthetic, two_groups
 from pflcore.data.partition import partition, partition_to_client_data

@@ -6,8 +6,9 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from pflcore.data.client_data import ClientData
-from pflcore.ops._checks import as_tensor, check_finite, check_float, check_shape
+from pflcore.client_data import ClientData
+from pflcore._arrays import to_tensor as as_tensor
+from pflcore._checks import check_finite, check_float, check_shape
 
 
 @dataclass

@@ -14,9 +14,9 @@ from typing import Optional
 import numpy as np
 import torch
 
-from pflcore.data.client_data import ClientData
+from pflcore.client_data import ClientData
 from pflcore.data.federation import Federation
-from pflcore.ops._checks import check_positive_int, check_real
+from pflcore._checks import check_positive_int, check_real
 
 _NP_DTYPE = {torch.float32: np.float32, torch.float64: np.float64}
 

@@ -10,8 +10,9 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from pflcore.data.client_data import ClientData
-from pflcore.ops._checks import as_tensor, check_positive_int, check_real
+from pflcore.client_data import ClientData
+from pflcore._arrays import to_tensor as as_tensor
+from pflcore._checks import check_positive_int, check_real
 
 SCHEMES = ("classes", "shards", "dirichlet", "iid")
 # Dirichlet draws are repeated until every client has min_size rows; past this many tries the

@@ -26,7 +26,7 @@ import torch
 
 from pflcore.data.federation import Federation
 from pflcore.data.partition import partition, partition_to_client_data
-from pflcore.ops._checks import check_positive_int, check_real
+from pflcore._checks import check_positive_int, check_real
 
 # IDX type codes (third byte of the magic number) -> big-endian numpy dtypes.
 IDX_DTYPES = {0x08: np.dtype(np.uint8), 0x09: np.dtype(np.int8), 0x0B: np.dtype(">i2"), 0x0C: np.dtype(">i4"),

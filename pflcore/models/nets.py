@@ -2,7 +2,7 @@
 
 A net has no native kernel. The ops (``ops.local_steps``, ``ops.gradients``, ``ops.evaluate``)
 run it for every model row in one call with ``torch.func`` (``functional_call`` + ``vmap`` +
-``grad``, ``pflcore/ops/_nets.py``), on the same stacked parameters ``theta [m, d]`` as the GLMs.
+``grad``, ``pflcore/backends/nets.py``), on the same stacked parameters ``theta [m, d]`` as the GLMs.
 
 Parameter layout: row θ_r is the concatenation, in ``module().named_parameters()`` order, of
 every parameter flattened row-major, i.e. ``torch.nn.utils.parameters_to_vector(module.parameters())``

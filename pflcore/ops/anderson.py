@@ -15,102 +15,40 @@ from typing import Dict, List, Optional
 import torch
 
 from pflcore import backend
-from pflcore.ops import _cuda
-from pflcore.ops._checks import (as_tensor, check_device, check_finite, check_float, check_positive_int,
-                                 check_real, check_shape, cpu_numpy, out_like)
+from pflcore._arrays import from_tensor, to_tensor
+from pflcore._checks import check_finite, check_float, check_positive_int, check_real, check_shape
+from pflcore.ops._args import same_device
 
 
-# ---- the small solve -------------------------------------------------------------------------
-
-def _solve_ref(G: torch.Tensor, reg: float) -> torch.Tensor:
-    """π for a float64 Gram matrix G [k, k] (the same rule as csrc/cpu/anderson.cpp):
-    a zero residual is taken as is; otherwise π = A⁻¹1 / 1ᵀA⁻¹1, A = G + reg·trace(G)·I,
-    solved on the equilibrated Â = S A S, S = diag(A)^{-1/2}, with a jitter on Â's diagonal
-    from 1e-14 upwards if rounding leaves it indefinite."""
-    k = G.shape[0]
-    diag = torch.diagonal(G)
-    zero = torch.nonzero(diag == 0)
-    if zero.numel():
-        pi = torch.zeros(k, dtype=torch.float64)
-        pi[int(zero[-1])] = 1.0
-        return pi
-    lam = reg * float(diag.sum())
-    A = G + lam * torch.eye(k, dtype=torch.float64)
-    scale = torch.diagonal(A).rsqrt()
-    A_hat = A * scale[:, None] * scale[None, :]
-    jitter = 0.0
-    for _ in range(40):
-        L, info = torch.linalg.cholesky_ex(A_hat + jitter * torch.eye(k, dtype=torch.float64))
-        if int(info) == 0:
-            x = torch.cholesky_solve(scale[:, None], L)[:, 0] * scale
-            s = float(x.sum())
-            if math.isfinite(s) and s != 0.0:
-                return x / s
-        jitter = 1e-14 if jitter == 0.0 else jitter * 10.0
-    raise RuntimeError("anderson: the Gram matrix is not finite")
+def _solve(G: torch.Tensor, reg: float) -> torch.Tensor:
+    """π [k] for the float64 Gram matrix G [k, k] on the host (k <= memory + 1: tiny), by the
+    backend that serves CPU tensors (the native core when it is built)."""
+    return backend.select("anderson_solve", None, G).anderson_solve(G, reg)
 
 
-def _solve(G: torch.Tensor, reg: float, name: str, module) -> torch.Tensor:
-    if name in ("cuda", "triton"):
-        # The k x k solve (k <= memory + 1) stays on the host, where G already is: in the
-        # native core when it is built, else in torch.
-        module = backend.loaded("native")
-        name = "native" if module is not None else "reference"
-    if name == "reference":
-        return _solve_ref(G, reg)
-    pi = torch.empty(G.shape[0], dtype=torch.float64)
-    module.anderson_solve(cpu_numpy(G.contiguous()), float(reg), cpu_numpy(pi))
-    return pi
-
-
-def _validate_residuals(residuals):
-    R, is_np = as_tensor(residuals, "residuals")
+def _residuals(residuals):
+    R, kind = to_tensor(residuals, "residuals")
     check_float(R, "residuals")
     if R.dim() != 2 or R.shape[0] < 1:
         raise ValueError(f"residuals: expected shape [k, D] with k >= 1, got {list(R.shape)}")
-    check_finite(R, "residuals")
-    return R.contiguous(), is_np
+    return (R if R.is_contiguous() else R.contiguous()), kind
 
 
 def anderson_weights(residuals, reg: float = 1e-8):
     """π ``[k]`` (float64, sums to 1) for residuals ``[k, D]``."""
-    R, is_np = _validate_residuals(residuals)
+    R, kind = _residuals(residuals)
     reg = check_real(reg, "reg", minimum=0.0)
-    name, module = backend.select("anderson", R.device)
-    if name == "reference":
-        return anderson_weights_ref(residuals, reg)
-    k = R.shape[0]
-    G = torch.empty(k, k, dtype=torch.float64, device=R.device)
-    if name == "native":
-        module.gram(cpu_numpy(R), cpu_numpy(G))
-    elif name == "triton":
-        module.gram(R, G)
-    else:  # cuda
-        with torch.cuda.device(R.device):
-            _cuda.launch("anderson_weights", module.gram, _cuda.ptr(R, "residuals", R.device, R.dtype), k,
-                         R.shape[1], _cuda.ptr(G, "G", R.device, torch.float64), _cuda.dtype_name(R), _cuda.stream(R))
-    return out_like(_solve(G.cpu(), reg, name, module).to(R.device), is_np)
+    G = backend.select("gram", None, R).gram(R)
+    if not bool(torch.isfinite(G).all()):  # NaN/inf in R (or an overflow): name it
+        check_finite(R, "residuals")
+        raise ValueError("residuals: their Gram matrix overflows (the squared norms are not finite)")
+    return from_tensor(_solve(G, reg).to(R.device), kind)
 
 
 def anderson_weights_ref(residuals, reg: float = 1e-8):
-    """Pure-torch reference of ``anderson_weights``."""
-    R, is_np = as_tensor(residuals, "residuals")
-    R64 = R.to(torch.float64)
-    return out_like(_solve_ref((R64 @ R64.T).cpu(), reg).to(R.device), is_np)
-
-
-# ---- the stateful mixer --------------------------------------------------------------------
-
-def _push_ref(u, tu, R_hist, TU_hist, slot: int, slots: List[int]) -> torch.Tensor:
-    R_hist[slot] = tu - u
-    TU_hist[slot] = tu
-    idx = torch.tensor(slots, device=u.device)
-    return (R_hist[idx].to(torch.float64) @ R_hist[slot].to(torch.float64)).cpu()
-
-
-def _mix_ref(TU_hist, slots: List[int], pi: torch.Tensor) -> torch.Tensor:
-    idx = torch.tensor(slots, device=TU_hist.device)
-    return (pi.to(TU_hist.device) @ TU_hist[idx].to(torch.float64)).to(TU_hist.dtype)
+    """``anderson_weights`` on the reference (the Gram matrix and the solve in torch)."""
+    with backend.use("reference"):
+        return anderson_weights(residuals, reg)
 
 
 class Anderson:
@@ -155,12 +93,14 @@ class Anderson:
         the float64 vector of the new Gram column's dot products before they are used: with
         u split in pieces over processes, ``reduce`` sums the pieces' dots (an all-reduce), so
         every piece mixes with the weights of the whole vector."""
-        u_t, is_np = as_tensor(u, "u")
-        tu_t, _ = as_tensor(tu, "tu")
+        u_t, kind = to_tensor(u, "u")
+        tu_t, _ = to_tensor(tu, "tu")
         check_float(u_t, "u")
-        check_float(tu_t, "tu", u_t.dtype)
-        check_device(tu_t, "tu", u_t.device)
-        check_shape(tu_t, "tu", tuple(u_t.shape), "the shape of u")
+        if tu_t.dtype is not u_t.dtype:
+            check_float(tu_t, "tu", u_t.dtype)
+        same_device(tu_t, u_t, "tu")
+        if tu_t.shape != u_t.shape:
+            check_shape(tu_t, "tu", tuple(u_t.shape), "the shape of u")
         # NaN/inf in u or tu make the new residual's norm non-finite: that is checked below,
         # after the fused pass, instead of two extra passes over the state here.
         if not hasattr(self, "_R") or self._R.dtype != u_t.dtype or self._R.device != u_t.device \
@@ -170,37 +110,22 @@ class Anderson:
                                  f"(history has {list(self._shape)} {self._R.dtype} on {self._R.device}, "
                                  f"got {list(u_t.shape)} {u_t.dtype} on {u_t.device}); call reset() first")
             self._allocate(u_t)
-        name, module = backend.select("anderson", u_t.device)
+        impl = backend.select("anderson_push", None, u_t)
         uf, tuf = u_t.reshape(-1).contiguous(), tu_t.reshape(-1).contiguous()
 
         H = self.memory + 1
         free = [s for s in range(H) if s not in self._order]
         slot = free[0] if free else self._order[0]  # a free slot, else the oldest pair's
         order = [s for s in self._order if s != slot] + [slot]
-        if name == "reference":
-            dots = _push_ref(uf, tuf, self._R, self._TU, slot, order)
-        elif name == "native":
-            dots = torch.empty(len(order), dtype=torch.float64)
-            module.anderson_push(cpu_numpy(uf), cpu_numpy(tuf), cpu_numpy(self._R), cpu_numpy(self._TU), slot,
-                                 cpu_numpy(torch.tensor(order, dtype=torch.int64)), cpu_numpy(dots))
-        else:  # GPU backends: the history stays on the device, only the k dots come back
-            slots = torch.tensor(order, dtype=torch.int64, device=uf.device)
-            dots_dev = torch.empty(len(order), dtype=torch.float64, device=uf.device)
-            if name == "triton":
-                module.anderson_push(uf, tuf, self._R, self._TU, slot, slots, dots_dev)
-            else:
-                dev, dt = uf.device, uf.dtype
-                with torch.cuda.device(dev):
-                    _cuda.launch("Anderson.step", module.anderson_push, _cuda.ptr(uf, "u", dev, dt),
-                                 _cuda.ptr(tuf, "tu", dev, dt), _cuda.ptr(self._R, "residual history", dev, dt),
-                                 _cuda.ptr(self._TU, "image history", dev, dt), uf.numel(), slot,
-                                 _cuda.ptr(slots, "slots", dev, torch.int64), len(order),
-                                 _cuda.ptr(dots_dev, "dots", dev, torch.float64), _cuda.dtype_name(uf),
-                                 _cuda.stream(uf))
-            dots = dots_dev.cpu()
+        dots = impl.anderson_push(uf, tuf, self._R, self._TU, slot, order)
         if reduce is not None:
             dots = reduce(dots)
         if not bool(torch.isfinite(dots).all()):
+            # The slot now holds the bad pair: forget it (it may have been the oldest pair's), so
+            # the history stays usable, then name the culprit.
+            self._order = [s for s in self._order if s != slot]
+            self._G[slot, :] = 0.0
+            self._G[:, slot] = 0.0
             check_finite(u_t, "u")
             check_finite(tu_t, "tu")
             raise ValueError("tu - u: the residual overflows (its squared norm is not finite)")
@@ -215,32 +140,16 @@ class Anderson:
             self._G[slot, slot] = float(dots[-1])
             self._last_norm = norm
             self.weights = torch.ones(1, dtype=torch.float64)
-            return out_like(tu_t.clone().contiguous(), is_np)
+            return from_tensor(tu_t.clone().contiguous(), kind)
         self._order = order
         idx = torch.tensor(order)
         self._G[slot, idx] = dots
         self._G[idx, slot] = dots
-        pi = _solve(self._G[idx][:, idx], self.reg, name, module)
+        pi = _solve(self._G[idx][:, idx].contiguous(), self.reg)
         self.weights = pi
-        if name == "reference":
-            out = _mix_ref(self._TU, order, pi)
-        elif name == "native":
-            out = torch.empty_like(uf)
-            module.anderson_mix(cpu_numpy(self._TU), cpu_numpy(idx), cpu_numpy(pi), cpu_numpy(out))
-        else:
-            out = torch.empty_like(uf)
-            slots, pi_dev = idx.to(uf.device), pi.to(uf.device)
-            if name == "triton":
-                module.anderson_mix(self._TU, slots, pi_dev, out)
-            else:
-                dev = uf.device
-                with torch.cuda.device(dev):
-                    _cuda.launch("Anderson.step", module.anderson_mix, _cuda.ptr(self._TU, "image history", dev, uf.dtype),
-                                 uf.numel(), _cuda.ptr(slots, "slots", dev, torch.int64),
-                                 _cuda.ptr(pi_dev, "pi", dev, torch.float64), len(order),
-                                 _cuda.ptr(out, "out", dev, uf.dtype), _cuda.dtype_name(uf), _cuda.stream(uf))
+        out = backend.select("anderson_mix", None, u_t).anderson_mix(self._TU, order, pi)
         self._last_norm = norm
-        return out_like(out.view(self._shape), is_np)
+        return from_tensor(out.view(self._shape), kind)
 
     def state_dict(self) -> Dict:
         """Everything needed to continue bitwise identically after ``load_state_dict``."""

@@ -2,55 +2,34 @@
 ``Σ_{r ∈ rows} w_r θ_r / Σ_{r ∈ rows} w_r``, accumulated in float64."""
 from __future__ import annotations
 
-import torch
-
 from pflcore import backend
-from pflcore.ops._checks import (as_tensor, check_device, check_finite, check_float, check_shape,
-                                 cpu_numpy, index_tensor, out_like)
-
-
-def _validate(theta, weights, rows):
-    theta_t, is_np = as_tensor(theta, "theta")
-    check_float(theta_t, "theta")
-    if theta_t.dim() != 2:
-        raise ValueError(f"theta: expected shape [m, d], got {list(theta_t.shape)}")
-    check_finite(theta_t, "theta")
-    m = theta_t.shape[0]
-    w, _ = as_tensor(weights, "weights")
-    check_float(w, "weights", theta_t.dtype)
-    check_device(w, "weights", theta_t.device)
-    check_shape(w, "weights", (m,), f"[m] = [{m}]")
-    check_finite(w, "weights")
-    if bool((w < 0).any()):
-        raise ValueError("weights: expected non-negative weights")
-    if rows is None:
-        rows_t = torch.arange(m, dtype=torch.int64, device=theta_t.device)
-    else:
-        rows_t = index_tensor(rows, "rows", None, m, theta_t.device)
-    if not float(w[rows_t].sum()) > 0:
-        raise ValueError("weights: the weights of the averaged rows sum to 0")
-    return theta_t.contiguous(), is_np, w.contiguous(), rows_t
+from pflcore._arrays import from_tensor, to_tensor
+from pflcore._checks import check_float, check_shape
+from pflcore.ops._args import rows_arg, same_device
 
 
 def average(theta, weights, rows=None):
-    """``[d]`` weighted mean of ``theta [m, d]`` over ``rows`` (default all) with ``weights [m]``."""
-    theta_t, is_np, w, rows_t = _validate(theta, weights, rows)
-    name, module = backend.select("average", theta_t.device)
-    if name == "reference":
-        out = average_ref(theta_t, w, rows_t)
-    else:
-        out = torch.empty(theta_t.shape[1], dtype=theta_t.dtype)
-        module.average(cpu_numpy(theta_t), cpu_numpy(w), cpu_numpy(rows_t), cpu_numpy(out))
-    return out_like(out, is_np)
+    """``[d]`` weighted mean of ``theta [m, d]`` over ``rows`` (default all) with ``weights [m]``
+    (finite, >= 0, with a positive sum over the rows; checked as they are read)."""
+    theta_t, kind = to_tensor(theta, "theta")
+    check_float(theta_t, "theta")
+    if theta_t.dim() != 2 or theta_t.shape[0] < 1:
+        raise ValueError(f"theta: expected shape [m, d] with m >= 1, got {list(theta_t.shape)}")
+    m = theta_t.shape[0]
+    w, _ = to_tensor(weights, "weights")
+    if w.dtype is not theta_t.dtype:
+        check_float(w, "weights", theta_t.dtype)
+    if w.dim() != 1 or w.shape[0] != m:
+        check_shape(w, "weights", (m,), f"[m] = [{m}]")
+    same_device(w, theta_t, "weights")
+    rows_t = rows_arg(rows, theta_t)
+    theta_t = theta_t if theta_t.is_contiguous() else theta_t.contiguous()
+    w = w if w.is_contiguous() else w.contiguous()
+    out = backend.select("average", None, theta_t).average(theta_t, w, rows_t)
+    return from_tensor(out, kind)
 
 
 def average_ref(theta, weights, rows=None):
-    """Pure-torch reference of ``average``."""
-    theta_t, is_np = as_tensor(theta, "theta")
-    w, _ = as_tensor(weights, "weights")
-    if rows is not None:
-        rows_t = as_tensor(rows, "rows")[0]
-        theta_t, w = theta_t[rows_t], w[rows_t]
-    w64 = w.to(torch.float64)
-    out = (w64 @ theta_t.to(torch.float64)) / w64.sum()
-    return out_like(out.to(theta_t.dtype), is_np)
+    """``average`` on the pure-torch reference."""
+    with backend.use("reference"):
+        return average(theta, weights, rows)

@@ -4,133 +4,98 @@
 over the points; distances are direct sums of squared differences and ties go to the lowest
 index. ``kmeans(points, k, ...)``: Lloyd iterations with k-means++ seeding (or given
 centroids: a warm start), optional sample weights; an empty cluster keeps its centroid.
+
+Sharded points (``comm``): every rank passes its own rows and the same arguments; the
+communicator sums what the loop needs over the ranks (cluster sums, inertia, label changes)
+and k-means++ draws each seed on the rank that holds it and broadcasts it. With the
+one-process communicator (the default) every collective is the identity: one Lloyd loop serves
+both, and a sharded run gives the one-process centroids to float rounding.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 import numpy as np
 import torch
 
 from pflcore import backend
-from pflcore.ops import _cuda
-from pflcore.ops._checks import (as_tensor, check_device, check_finite, check_float, check_positive_int,
-                                 check_real, check_shape, cpu_numpy, out_like)
+from pflcore._arrays import from_tensor, to_tensor
+from pflcore._checks import check_float, check_positive_int, check_real, check_shape
+from pflcore._comm import Comm
+from pflcore.errors import NonFiniteError
+from pflcore.ops._args import same_device
+
+_ONE_PROCESS = Comm()
 
 
-def _validate_points(points, name="points", finite=True):
-    t, is_np = as_tensor(points, name)
+def _points(points, name="points"):
+    t, kind = to_tensor(points, name)
     check_float(t, name)
     if t.dim() != 2:
         raise ValueError(f"{name}: expected shape [N, d], got {list(t.shape)}")
-    if finite:
-        check_finite(t, name)
-    return t.contiguous(), is_np
+    return (t if t.is_contiguous() else t.contiguous()), kind
 
 
-def _validate_centroids(centroids, points_t, name="centroids", finite=True):
-    c, _ = as_tensor(centroids, name)
-    check_float(c, name, points_t.dtype)
-    check_device(c, name, points_t.device)
-    check_shape(c, name, (None, points_t.shape[1]), f"[K, d] with d = {points_t.shape[1]}")
+def _centroids(centroids, points_t, name="centroids"):
+    c, _ = to_tensor(centroids, name)
+    if c.dtype is not points_t.dtype:
+        check_float(c, name, points_t.dtype)
+    same_device(c, points_t, name)
+    if c.dim() != 2 or c.shape[1] != points_t.shape[1]:
+        check_shape(c, name, (None, points_t.shape[1]), f"[K, d] with d = {points_t.shape[1]}")
     if c.shape[0] < 1:
         raise ValueError(f"{name}: expected at least one centroid, got shape {list(c.shape)}")
-    if finite:
-        check_finite(c, name)
-    return c.contiguous()
+    return c if c.is_contiguous() else c.contiguous()
 
 
 # ---- kmeans_assign -------------------------------------------------------------------------
 
 def _assign(points: torch.Tensor, centroids: torch.Tensor):
-    """Dispatch without validation (inputs already checked)."""
-    name, module = backend.select("kmeans_assign", points.device)
-    if name == "reference":
-        return kmeans_assign_ref(points, centroids)
-    N = points.shape[0]
-    labels = torch.empty(N, dtype=torch.int64, device=points.device)
-    sqdist = torch.empty(N, dtype=points.dtype, device=points.device)
-    if name == "native":
-        module.kmeans_assign(cpu_numpy(points), cpu_numpy(centroids), cpu_numpy(labels), cpu_numpy(sqdist))
-    elif name == "triton":
-        module.kmeans_assign(points, centroids, labels, sqdist)
-    else:  # cuda: raw device pointers on the current stream of the tensors' device
-        dev, dt = points.device, points.dtype
-        with torch.cuda.device(dev):
-            _cuda.launch("kmeans_assign", module.kmeans_assign, _cuda.ptr(points, "points", dev, dt),
-                         _cuda.ptr(centroids, "centroids", dev, dt), _cuda.ptr(labels, "labels", dev, torch.int64),
-                         _cuda.ptr(sqdist, "sqdist", dev, dt), N, centroids.shape[0], points.shape[1],
-                         _cuda.dtype_name(points), _cuda.stream(points))
-    return labels, sqdist
+    """Nearest centroids of checked tensors (values checked by the adapter)."""
+    if points.shape[0] == 0:  # a rank that holds no points
+        return (torch.empty(0, dtype=torch.int64, device=points.device),
+                torch.empty(0, dtype=points.dtype, device=points.device))
+    return backend.select("kmeans_assign", None, points).kmeans_assign(points, centroids)
 
 
 def kmeans_assign(points, centroids):
-    """Nearest centroid of every point: ``(labels int64 [N], sqdist [N])``."""
-    points_t, is_np = _validate_points(points, finite=False)
-    centroids_t = _validate_centroids(centroids, points_t, finite=False)
-    labels, sqdist = _assign(points_t, centroids_t)
-    # A NaN or inf in the inputs makes some distance non-finite: checking the N distances
-    # replaces a second pass over the [N, d] points; the full check then names the culprit.
-    if not bool(torch.isfinite(sqdist).all()):
-        check_finite(points_t, "points")
-        check_finite(centroids_t, "centroids")
-    return out_like(labels, is_np), out_like(sqdist, is_np)
+    """Nearest centroid of every point: ``(labels int64 [N], sqdist [N])``, as arrays of the
+    points' kind. NaN/inf in the centroids or the points is a NonFiniteError naming the first
+    bad row."""
+    points_t, kind = _points(points)
+    labels, sqdist = _assign(points_t, _centroids(centroids, points_t))
+    return from_tensor(labels, kind), from_tensor(sqdist, kind)
 
 
-def kmeans_assign_ref(points, centroids, *, chunk: int = 4096):
-    """Pure-torch reference: squared differences in chunks of points, then argmin (which
-    returns the first minimum, i.e. ties go to the lowest index)."""
-    points_t, is_np = as_tensor(points, "points")
-    c, _ = as_tensor(centroids, "centroids")
-    labels = torch.empty(points_t.shape[0], dtype=torch.int64, device=points_t.device)
-    sqdist = torch.empty(points_t.shape[0], dtype=points_t.dtype, device=points_t.device)
-    for s in range(0, points_t.shape[0], chunk):
-        blk = points_t[s:s + chunk]
-        dist = ((blk[:, None, :] - c[None, :, :]) ** 2).sum(-1)
-        sqdist[s:s + chunk], labels[s:s + chunk] = dist.min(dim=1)
-    return out_like(labels, is_np), out_like(sqdist, is_np)
+def kmeans_assign_ref(points, centroids):
+    """``kmeans_assign`` on the reference: squared differences in chunks of points, then argmin
+    (the first minimum, i.e. ties go to the lowest index)."""
+    with backend.use("reference"):
+        return kmeans_assign(points, centroids)
 
 
-# ---- Lloyd update --------------------------------------------------------------------------
+# ---- the Lloyd update ----------------------------------------------------------------------
 
-def _update(points, labels, weights, centroids) -> torch.Tensor:
-    """centroids <- weighted cluster means in place; returns the weight of each cluster."""
-    name, module = backend.select("kmeans_update", points.device)
-    if name == "reference":
-        return kmeans_update_ref(points, labels, weights, centroids)
-    wsum = torch.empty(centroids.shape[0], dtype=torch.float64, device=points.device)
-    if name == "native":
-        module.kmeans_update(cpu_numpy(points), cpu_numpy(labels), None if weights is None else cpu_numpy(weights),
-                             cpu_numpy(centroids), cpu_numpy(wsum))
-    else:  # GPU backends: a segmented reduction over the points sorted (stably) by label
-        K = centroids.shape[0]
-        order = torch.sort(labels, stable=True).indices
-        seg = torch.zeros(K + 1, dtype=torch.int64, device=labels.device)
-        seg[1:] = torch.cumsum(torch.bincount(labels, minlength=K), 0)
-        if name == "triton":
-            module.kmeans_update(points, order, seg, weights, centroids, wsum)
-        else:
-            dev, dt = points.device, points.dtype
-            with torch.cuda.device(dev):
-                _cuda.launch("kmeans_update", module.kmeans_update, _cuda.ptr(points, "points", dev, dt),
-                             _cuda.ptr(order, "order", dev, torch.int64), _cuda.ptr(seg, "seg", dev, torch.int64),
-                             _cuda.ptr(weights, "weights", dev, dt), _cuda.ptr(centroids, "centroids", dev, dt),
-                             _cuda.ptr(wsum, "wsum", dev, torch.float64), points.shape[0], K, points.shape[1],
-                             _cuda.dtype_name(points), _cuda.stream(points))
-    return wsum
-
-
-def kmeans_update_ref(points, labels, weights, centroids) -> torch.Tensor:
-    """Pure-torch reference of the Lloyd update (float64 sums, empty clusters unchanged)."""
-    K = centroids.shape[0]
+def cluster_means(points: torch.Tensor, labels: torch.Tensor, weights: Optional[torch.Tensor],
+                  centroids: torch.Tensor, comm: Comm = _ONE_PROCESS) -> torch.Tensor:
+    """``centroids [K, d]`` ← the weighted mean of each cluster's points, in place (an empty
+    cluster keeps its centroid); returns the clusters' float64 weights [K]. One process: the
+    backend's update kernel. Sharded: float64 sums on each rank and one all-reduce of
+    [K, d + 1]."""
+    if comm.world == 1:
+        return backend.select("kmeans_update", None, points).kmeans_update(points, labels, weights, centroids)
+    K, d = centroids.shape
     w = torch.ones(points.shape[0], dtype=torch.float64, device=points.device) if weights is None \
         else weights.to(torch.float64)
-    wsum = torch.zeros(K, dtype=torch.float64, device=points.device).index_add_(0, labels, w)
-    sums = torch.zeros(K, points.shape[1], dtype=torch.float64, device=points.device)
-    sums.index_add_(0, labels, points.to(torch.float64) * w[:, None])
+    acc = torch.zeros(K, d + 1, dtype=torch.float64, device=points.device)
+    if points.shape[0]:
+        acc[:, :d].index_add_(0, labels, points.to(torch.float64) * w[:, None])
+        acc[:, d].index_add_(0, labels, w)
+    comm.all_reduce(acc)
+    wsum = acc[:, d]
     keep = wsum > 0
-    centroids[keep] = (sums[keep] / wsum[keep, None]).to(centroids.dtype)
+    centroids[keep] = (acc[keep, :d] / wsum[keep, None]).to(centroids.dtype)
     return wsum
 
 
@@ -139,64 +104,106 @@ def kmeans_update_ref(points, labels, weights, centroids) -> torch.Tensor:
 @dataclass
 class KMeans:
     centroids: torch.Tensor       # [K, d]
-    labels: torch.Tensor          # int64 [N]
-    inertia: float                # Σ_i w_i ‖x_i − c_{label_i}‖²
+    labels: torch.Tensor          # int64 [N] (a sharded run: this rank's points)
+    inertia: float                # Σ_i w_i ‖x_i − c_{label_i}‖² (over every rank's points)
     iterations: int               # Lloyd updates performed
     history: List[float] = field(default_factory=list)  # inertia after seeding and each update
 
 
-def _kmeans_pp(points, k, weights, seed, assign: Callable) -> torch.Tensor:
-    """k-means++ seeding: D²·w sampling from a CPU generator seeded by ``seed``."""
+def _kmeans_pp(points, k, weights, seed, assign: Callable, comm: Comm) -> torch.Tensor:
+    """k-means++ seeding: D²·w sampling from a CPU generator seeded by ``seed``. The same
+    generator draws u ∈ [0, total) on every rank; the rank whose share of the cumulative mass
+    holds u picks the point and broadcasts it (one process: it picks, the broadcast is the
+    identity)."""
     gen = torch.Generator().manual_seed(int(seed))
     N = points.shape[0]
     w = torch.ones(N, dtype=torch.float64) if weights is None else weights.detach().cpu().to(torch.float64)
 
-    def draw(prob: torch.Tensor) -> int:
+    def draw(prob: torch.Tensor) -> torch.Tensor:
         cdf = torch.cumsum(prob, 0)
-        u = torch.rand((), generator=gen, dtype=torch.float64) * cdf[-1]
-        return min(int(torch.searchsorted(cdf, u, right=True)), N - 1)
+        totals = torch.stack(comm.all_gather(torch.tensor([float(cdf[-1]) if N else 0.0], dtype=torch.float64)))[:, 0]
+        cum = torch.cumsum(totals, 0)
+        u = torch.rand((), generator=gen, dtype=torch.float64) * cum[-1]
+        owner = int(torch.searchsorted(cum, u, right=True))
+        if owner >= comm.world:  # u at the very top: the last rank holding any mass
+            owner = int(torch.nonzero(totals > 0)[-1])
+        row = torch.empty(points.shape[1], dtype=points.dtype, device=points.device)
+        if comm.rank == owner:
+            local_u = u - (cum[owner] - totals[owner])
+            row.copy_(points[min(int(torch.searchsorted(cdf, local_u, right=True)), N - 1)])
+        return comm.broadcast(row, owner)
 
     centroids = torch.empty(k, points.shape[1], dtype=points.dtype, device=points.device)
-    centroids[0] = points[draw(w)]
+    centroids[0] = draw(w)
     d2 = assign(points, centroids[:1])[1].detach().cpu().to(torch.float64)
     for j in range(1, k):
         prob = d2 * w
-        centroids[j] = points[draw(prob if float(prob.sum()) > 0 else w)]
+        centroids[j] = draw(prob if comm.sum(float(prob.sum())) > 0 else w)
         d2 = torch.minimum(d2, assign(points, centroids[j:j + 1])[1].detach().cpu().to(torch.float64))
     return centroids
 
 
-def _lloyd(points, k, init, iters, tol, seed, weights, assign: Callable, update: Callable) -> KMeans:
-    if isinstance(init, str):
-        centroids = _kmeans_pp(points, k, weights, seed, assign)
-    else:
-        centroids = init.clone()
+def _lloyd(points, k, init, iters, tol, seed, weights, comm: Comm, assign: Callable) -> KMeans:
+    N = comm.sum(int(points.shape[0]))
+    centroids = _kmeans_pp(points, k, weights, seed, assign, comm) if isinstance(init, str) else init.clone()
     w64 = None if weights is None else weights.to(torch.float64)
 
     def inertia_of(sq):
-        return float(sq.to(torch.float64).sum() if w64 is None else (sq.to(torch.float64) * w64).sum())
+        sq = sq.to(torch.float64)
+        return comm.sum(float(sq.sum() if w64 is None else (sq * w64).sum()))
 
     labels, sq = assign(points, centroids)
     history = [inertia_of(sq)]
-    # Stop when the centroids move less than tol times the data's mean per-feature variance.
-    scale = float(points.to(torch.float64).var(dim=0, unbiased=False).sum()) if points.shape[0] > 1 else 0.0
+    # Stop when the centroids move less than tol times the data's total per-feature variance
+    # (two passes over every rank's points).
+    scale = 0.0
+    if N > 1:
+        p64 = points.to(torch.float64)
+        mean = comm.sum(p64.sum(0)) / N
+        scale = comm.sum(float(((p64 - mean) ** 2).sum())) / N
     it = 0
     for it in range(1, iters + 1):
         previous = centroids.clone()
-        update(points, labels, weights, centroids)
+        cluster_means(points, labels, weights, centroids, comm)
         new_labels, sq = assign(points, centroids)
         history.append(inertia_of(sq))
         shift = float(((centroids - previous).to(torch.float64) ** 2).sum())
-        unchanged = bool(torch.equal(new_labels, labels))
+        changed = comm.sum(int((new_labels != labels).sum()))
         labels = new_labels
-        if unchanged or shift <= tol * scale:
+        if changed == 0 or shift <= tol * scale:
             break
     return KMeans(centroids, labels, history[-1], it, history)
 
 
-def _validate_kmeans(points, k, init, iters, tol, seed, weights):
-    points_t, is_np = _validate_points(points)
-    N = points_t.shape[0]
+def _check_weights(w: torch.Tensor, comm: Comm) -> None:
+    """k-means++ samples in proportion to the weights before any kernel reads them: checked
+    here, one pass over [N]."""
+    if w.numel():
+        bad = ~(torch.isfinite(w) & (w >= 0))
+        if bool(bad.any()):
+            i = int(torch.nonzero(bad)[0, 0])
+            v = float(w[i])
+            kind = ValueError if v == v and abs(v) != float("inf") else NonFiniteError
+            raise kind(f"weights: expected finite weights >= 0, got weights[{i}] = {v:g}")
+    if not comm.sum(float(w.to(torch.float64).sum())) > 0:
+        raise ValueError("weights: expected non-negative weights with a positive sum")
+
+
+def kmeans(points, k=None, *, init="k-means++", iters: int = 100, tol: float = 1e-6, seed: int = 0,
+           weights=None, comm: Optional[Comm] = None) -> KMeans:
+    """Lloyd's k-means on ``points [N, d]``.
+
+    ``init`` is "k-means++" (seeded by ``seed``, an integer in [0, 2**63)) or ``[k, d]``
+    starting centroids (a warm start; ``k`` may then be omitted). Iteration stops after
+    ``iters`` updates, when no label changes, or when the squared centroid shift falls below
+    ``tol`` times the total variance of the points. ``weights [N]`` are sample weights. The
+    inertia never increases across iterations; ``history`` records it. ``comm``: a
+    communicator (``pflcore.distributed``) when each rank holds part of the points; the result's
+    labels are then this rank's, the centroids and inertia global.
+    """
+    comm = _ONE_PROCESS if comm is None else comm
+    points_t, kind = _points(points)
+    N = comm.sum(int(points_t.shape[0]))
     if isinstance(init, str):
         if init != "k-means++":
             raise ValueError(f"init: expected 'k-means++' or a [k, d] tensor of centroids, got {init!r}")
@@ -205,49 +212,32 @@ def _validate_kmeans(points, k, init, iters, tol, seed, weights):
             raise ValueError(f"k: expected at most N = {N} clusters (one per point), got {k}")
         init_t = init
     else:
-        init_t = _validate_centroids(init, points_t, "init")
+        init_t = _centroids(init, points_t, "init")
         if k is not None and init_t.shape[0] != k:
             raise ValueError(f"init: expected {k} centroids (k), got {init_t.shape[0]}")
         k = init_t.shape[0]
     iters = check_positive_int(iters, "iters", minimum=0)
     tol = check_real(tol, "tol", minimum=0.0)
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-        raise ValueError(f"seed: expected an integer >= 0, got {seed!r}")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**63:
+        raise ValueError(f"seed: expected an integer in [0, 2**63), got {seed!r}")
     w = None
     if weights is not None:
-        w, _ = as_tensor(weights, "weights")
-        check_float(w, "weights", points_t.dtype)
-        check_device(w, "weights", points_t.device)
-        check_shape(w, "weights", (N,), f"[N] = [{N}]")
-        check_finite(w, "weights")
-        if bool((w < 0).any()) or not float(w.sum()) > 0:
-            raise ValueError("weights: expected non-negative weights with a positive sum")
-        w = w.contiguous()
-    return points_t, is_np, k, init_t, iters, tol, int(seed), w
-
-
-def _as_result(res: KMeans, is_np: bool) -> KMeans:
-    if is_np:
-        res.centroids, res.labels = res.centroids.numpy(), res.labels.numpy()
+        w, _ = to_tensor(weights, "weights")
+        if w.dtype is not points_t.dtype:
+            check_float(w, "weights", points_t.dtype)
+        same_device(w, points_t, "weights")
+        if w.dim() != 1 or w.shape[0] != points_t.shape[0]:
+            check_shape(w, "weights", (points_t.shape[0],), f"[N] = [{points_t.shape[0]}]")
+        w = w if w.is_contiguous() else w.contiguous()
+        _check_weights(w, comm)
+    res = _lloyd(points_t, k, init_t, iters, tol, int(seed), w, comm, _assign)
+    if kind.name != "torch":
+        res.centroids, res.labels = from_tensor(res.centroids, kind), from_tensor(res.labels, kind)
     return res
-
-
-def kmeans(points, k=None, *, init="k-means++", iters: int = 100, tol: float = 1e-6, seed: int = 0,
-           weights=None) -> KMeans:
-    """Lloyd's k-means on ``points [N, d]``.
-
-    ``init`` is "k-means++" (seeded by ``seed``) or ``[k, d]`` starting centroids (a warm
-    start; ``k`` may then be omitted). Iteration stops after ``iters`` updates, when no label
-    changes, or when the squared centroid shift falls below ``tol`` times the total variance
-    of the points. ``weights [N]`` are sample weights. The inertia never increases across
-    iterations; ``history`` records it.
-    """
-    points_t, is_np, k, init_t, iters, tol, seed, w = _validate_kmeans(points, k, init, iters, tol, seed, weights)
-    return _as_result(_lloyd(points_t, k, init_t, iters, tol, seed, w, _assign, _update), is_np)
 
 
 def kmeans_ref(points, k=None, *, init="k-means++", iters: int = 100, tol: float = 1e-6, seed: int = 0,
                weights=None) -> KMeans:
-    """Pure-torch reference of ``kmeans`` (the same Lloyd loop on the reference primitives)."""
-    points_t, is_np, k, init_t, iters, tol, seed, w = _validate_kmeans(points, k, init, iters, tol, seed, weights)
-    return _as_result(_lloyd(points_t, k, init_t, iters, tol, seed, w, kmeans_assign_ref, kmeans_update_ref), is_np)
+    """``kmeans`` with every assignment and update on the pure-torch reference."""
+    with backend.use("reference"):
+        return kmeans(points, k, init=init, iters=iters, tol=tol, seed=seed, weights=weights)

@@ -2,15 +2,14 @@
 evaluation (``glm``), the k-means assignment and Lloyd update (``kmeans``), and Anderson
 mixing's Gram column and mixing pass (``anderson``).
 
-The functions here take validated torch tensors (``pflcore.ops`` checks every argument and
-calls them through ``pflcore.backend``); they launch on the tensors' device. On a machine
+The functions here take validated torch tensors (``pflcore.ops`` checks the metadata, and the
+adapter ``pflcore.backends.triton`` the values, before it calls them); they launch on the
+tensors' device. On a machine
 without a GPU, setting ``TRITON_INTERPRET=1`` before this package is first imported makes
 every kernel run under Triton's CPU interpreter on CPU tensors (``INTERPRETED`` records
 which mode the kernels were built in: Triton fixes it when a kernel is decorated).
 """
 from __future__ import annotations
-
-import triton
 
 from pflcore.triton.anderson import anderson_mix, anderson_push, gram
 from pflcore.triton.glm import evaluate, gradients, local_steps
@@ -19,15 +18,6 @@ from pflcore.triton._util import interpreting
 
 INTERPRETED: bool = interpreting()
 
-# Op names as pflcore.backend.select() asks for them ("anderson" covers push, mix and gram;
-# the small solve runs on the host).
-OPS = ("local_steps", "gradients", "evaluate", "kmeans_assign", "kmeans_update", "anderson")
 
-
-def build_info() -> dict:
-    """Like the compiled modules' ``build_info()``: the ops this backend implements."""
-    return {"triton_version": triton.__version__, "interpreted": INTERPRETED, "ops": list(OPS)}
-
-
-__all__ = ["INTERPRETED", "OPS", "build_info", "local_steps", "gradients", "evaluate", "kmeans_assign",
+__all__ = ["INTERPRETED", "local_steps", "gradients", "evaluate", "kmeans_assign",
            "kmeans_update", "anderson_push", "anderson_mix", "gram"]

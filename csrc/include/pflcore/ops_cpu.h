@@ -1,9 +1,12 @@
 // Entry points of the CPU kernels (csrc/cpu/*.cpp), called by bindings/core.cpp.
-// All pointers are to C-contiguous buffers that Python validated (pflcore/ops/_checks.py);
-// shapes are in the comment beside each argument. T is float or double.
+// All pointers are to C-contiguous buffers whose shapes and dtypes Python checked
+// (pflcore/_checks.py); shapes are in the comment beside each argument. T is float or double.
+// The VALUES are the kernels' to check, as they read them (pflcore/checks.h): every function
+// taking `Faults&` records there what it could not use, and works on no row that is bad.
 #pragma once
 #include <cstdint>
 
+#include "pflcore/checks.h"
 #include "pflcore/common.h"
 
 namespace pflcore::cpu {
@@ -17,10 +20,11 @@ struct GlmProblem {
   bool intercept;          // parameter row p multiplies an implicit 1
   T l2;                    // l2/2·‖θ‖² in every client objective
   const T* x;              // [N, p]
+  int64_t N;               // rows of x
   const void* y;           // [N] T for LeastSquares, int64 otherwise
   const int64_t* offsets;  // [m + 1]
   int64_t m;               // clients
-  const int64_t* rows;     // [R] client of each model row
+  const int64_t* rows;     // [R] client of each model row, or null: row r is client r (R = m)
   int64_t R;               // model rows
   int64_t d() const { return (p + (intercept ? 1 : 0)) * C; }
 };
@@ -39,28 +43,31 @@ struct LocalStepsArgs {
 };
 
 template <typename T>
-void local_steps(const GlmProblem<T>& prob, const LocalStepsArgs<T>& args);
+void local_steps(const GlmProblem<T>& prob, const LocalStepsArgs<T>& args, Faults& faults);
 
 // Gradient of f_i at each row: the mean loss over client i's rows, or over batch[r] when
 // batches is given, plus l2·θ.
 template <typename T>
 void gradients(const GlmProblem<T>& prob, const T* theta /*[R, d]*/, const int32_t* batches /*[R, B] or null*/,
-               int64_t batch_size, T* out /*[R, d]*/);
+               int64_t batch_size, T* out /*[R, d]*/, Faults& faults);
 
 template <typename T>
 void evaluate(const GlmProblem<T>& prob, const T* theta /*[R, d]*/, T* loss_sum /*[R]*/,
-              int64_t* correct /*[R]*/, int64_t* count /*[R]*/);
+              int64_t* correct /*[R]*/, int64_t* count /*[R]*/, Faults& faults);
 
+// Checks that the centroids, then the points, are finite (NaN/inf would never be chosen, or
+// always: a silently wrong label).
 template <typename T>
 void kmeans_assign(const T* points /*[N, d]*/, const T* centroids /*[K, d]*/, int64_t N,
-                   int64_t K, int64_t d, int64_t* labels /*[N]*/, T* sqdist /*[N]*/);
+                   int64_t K, int64_t d, int64_t* labels /*[N]*/, T* sqdist /*[N]*/, Faults& faults);
 
 // centroids[k] <- weighted mean of the points labelled k; clusters with zero weight keep
-// their centroid. weight_sum [K] receives each cluster's total weight.
+// their centroid. weight_sum [K] receives each cluster's total weight. Labels must lie in
+// [0, K) and weights be finite and >= 0 (checked before anything is written).
 template <typename T>
 void kmeans_update(const T* points /*[N, d]*/, const int64_t* labels /*[N]*/,
                    const T* weights /*[N] or null*/, int64_t N, int64_t K, int64_t d,
-                   T* centroids /*[K, d]*/, double* weight_sum /*[K]*/);
+                   T* centroids /*[K, d]*/, double* weight_sum /*[K]*/, Faults& faults);
 
 // Stores r = tu − u in R_hist[slot] and tu in TU_hist[slot], and returns in dots[j] the
 // inner products <R_hist[slots[j]], r> (float64, fixed block order: deterministic).
@@ -81,13 +88,16 @@ void gram(const T* vecs /*[k, D]*/, int64_t k, int64_t D, double* G /*[k, k]*/);
 // pi = argmin πᵀ(G + λI)π s.t. Σπ = 1, λ = reg·trace(G): pi = (G+λI)⁻¹1 / 1ᵀ(G+λI)⁻¹1.
 void anderson_solve(const double* G /*[k, k]*/, int64_t k, double reg, double* pi /*[k]*/);
 
-void sample_batches(const int64_t* offsets /*[m + 1]*/, const int64_t* clients /*[R]*/,
-                    const int64_t* client_ids /*[R] hashed ids*/, int64_t R, int64_t steps,
-                    int64_t B, uint32_t seed, uint32_t counter, int32_t* out /*[R, steps, B]*/);
+// Checks each client index and its offsets (as the GLM kernels do) before drawing its rows.
+void sample_batches(const int64_t* offsets /*[m + 1]*/, int64_t m, int64_t N, const int64_t* clients /*[R] or null*/,
+                    int64_t first_id /*global id of client 0*/, int64_t R, int64_t steps, int64_t B,
+                    uint32_t seed, uint32_t counter, int32_t* out /*[R, steps, B]*/, Faults& faults);
 
-// out = Σ_r w[r]·theta[rows[r]] / Σ_r w[r], float64 accumulation in row order.
+// out = Σ_r w[rows[r]]·theta[rows[r]] / Σ_r w[rows[r]], float64 accumulation in row order.
+// Checks rows in [0, M), the weights read (finite, >= 0, positive sum) and the rows of theta
+// read (finite).
 template <typename T>
-void average(const T* theta /*[M, d]*/, const T* weights /*[M]*/, const int64_t* rows /*[R]*/,
-             int64_t R, int64_t d, T* out /*[d]*/);
+void average(const T* theta /*[M, d]*/, int64_t M, const T* weights /*[M]*/, const int64_t* rows /*[R] or null*/,
+             int64_t R, int64_t d, T* out /*[d]*/, Faults& faults);
 
 }  // namespace pflcore::cpu

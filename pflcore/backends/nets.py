@@ -1,7 +1,7 @@
-"""``local_steps``, ``gradients``, ``evaluate`` (and the Hessian-vector product Per-FedAvg
-needs) for the torch nets of ``pflcore.models.nets``, with exactly the semantics of the GLM ops
-(DESIGN.md §4); the public ops in ``local_steps.py``, ``gradients.py``, ``evaluate.py`` route
-nets here.
+"""The nets adapter: ``local_steps``, ``gradients``, ``evaluate`` and ``hvp`` for the torch nets
+of ``pflcore.models.nets``, with exactly the semantics of the GLM ops (DESIGN.md §4, §8). The
+backend chooses this adapter by the model's type; the public ops have validated the metadata,
+and the values are checked here by the torch pre-pass of ``_values.py``.
 
 How all clients run at once: the per-row loss of ONE model is written with
 ``torch.func.functional_call`` and ``torch.func.vmap(torch.func.grad(...))`` maps it over the
@@ -33,9 +33,9 @@ matrix is fused into the GEMM that forms its gradient (``W.baddbmm_(dzᵀ, h, al
 after that W was last read; bench/algorithms.py measures it against the vmap path and a
 per-client loop of ``torch.nn`` modules.
 
-Each op has a ``*_ref``: a plain loop over model rows with ``torch.autograd`` on a
-``torch.nn`` module holding the row's parameters (``net.module()``), written independently of
-the vmapped path (it also checks the parameter layout).
+The references (``pflcore/backends/reference.py``) are a plain loop over model rows with
+``torch.autograd`` on a ``torch.nn`` module holding the row's parameters (``net.module()``),
+written independently of the vmapped path (they also check the parameter layout).
 """
 from __future__ import annotations
 
@@ -46,11 +46,10 @@ from typing import Callable, Iterator, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from pflcore.data.client_data import ClientData
+from pflcore.backends import _values
+from pflcore.backends.base import Adapter
+from pflcore.client_data import ClientData
 from pflcore.models.nets import MLP, TorchNet
-from pflcore.ops import _glm
-from pflcore.ops._checks import (as_tensor, check_contiguous, check_device, check_dtype, check_finite,
-                                 check_float, check_positive_int, check_real, check_shape, out_like)
 
 # Bytes of parameters + gradients + activations that one chunk of model rows may touch per step.
 CHUNK_BYTES = {"cpu": 32 << 20, "cuda": 1 << 30}
@@ -63,36 +62,6 @@ HAND_WRITTEN_MLP = True
 
 def is_net(model) -> bool:
     return isinstance(model, TorchNet)
-
-
-# ---- validation ------------------------------------------------------------------------------
-
-def _anchor(anchor, R: int, d: int, data: ClientData) -> Optional[torch.Tensor]:
-    if anchor is None:
-        return None
-    a, _ = as_tensor(anchor, "anchor")
-    check_float(a, "anchor", data.dtype)
-    check_device(a, "anchor", data.device)
-    if a.dim() == 1:
-        check_shape(a, "anchor", (d,), "[d]")
-    else:
-        check_shape(a, "anchor", (R, d), "[R, d] or [d]")
-    check_finite(a, "anchor")
-    return a.contiguous()
-
-
-def _batches(batches, shape, what: str, data: ClientData, rows: torch.Tensor) -> Optional[torch.Tensor]:
-    if batches is None:
-        return None
-    b, _ = as_tensor(batches, "batches")
-    check_dtype(b, "batches", torch.int32)
-    check_device(b, "batches", data.device)
-    check_shape(b, "batches", shape, what)
-    if b.shape[-1] < 1:
-        raise ValueError(f"batches: expected at least one row per batch, got shape {list(b.shape)}")
-    b = b.contiguous()
-    _glm.check_batch_rows(b, data, rows)
-    return b
 
 
 # ---- vmapped per-model functions (cached on the model, rebuilt after unpickling) --------------
@@ -251,21 +220,14 @@ def _mlp_backward(model: MLP, theta: torch.Tensor, x: torch.Tensor, y: torch.Ten
 
 # ---- local_steps -------------------------------------------------------------------------------
 
-def local_steps(model, theta, data, *, steps, lr, prox=0.0, anchor=None, batches=None, rows=None,
-                grad_scale=None):
+def local_steps(model: TorchNet, theta_t: torch.Tensor, data: ClientData, rows_t: torch.Tensor,
+                batches_t: Optional[torch.Tensor], anchor_t: Optional[torch.Tensor], scale_t: Optional[torch.Tensor],
+                steps: int, lr: float, prox: float) -> None:
     """``ops.local_steps`` for a torch net: in place on ``theta [R, d]``, for s = 0..steps-1
     θ_r ← θ_r − lr·( grad_scale[r]·∇ℓ_i(θ_r; B_{r,s}) + l2·θ_r + prox·(θ_r − a_r) ), i = rows[r]."""
-    theta_t, is_np, rows_t = _glm.validate(model, theta, data, rows)
-    check_contiguous(theta_t, "theta")
-    steps = check_positive_int(steps, "steps", minimum=0)
-    lr = check_real(lr, "lr", minimum=0.0, strict=True)
-    prox = check_real(prox, "prox", minimum=0.0)
-    R, d = theta_t.shape
-    anchor_t = _anchor(anchor, R, d, data)
-    batches_t = _batches(batches, (R, steps, None), "[R, steps, B]", data, rows_t)
-    scale_t = _glm.optional_vector(grad_scale, "grad_scale", R, data.dtype, data.device)
+    R = theta_t.shape[0]
     if steps == 0 or R == 0:
-        return theta if is_np else theta_t
+        return
     grad = _grad_fn(model)
     rows_per_model = batches_t.shape[2] if batches_t is not None else _max_rows(data, rows_t)
     shrink = 1.0 - lr * (model.l2 + prox)  # θ(1 − lr(l2 + prox)) + lr·prox·a − lr·g
@@ -311,57 +273,14 @@ def local_steps(model, theta, data, *, steps, lr, prox=0.0, anchor=None, batches
                 th.add_(a, alpha=lr * prox)
             th.add_(g, alpha=-lr)
     _for_chunks(list(_chunks(model, R, rows_per_model, data.dtype, data.device)), work, data.device)
-    return theta if is_np else theta_t
-
-
-def _module_ref(model: TorchNet, dtype, device):
-    with torch.random.fork_rng(devices=[]):  # its own init is overwritten; keep the global RNG
-        return model.module(dtype=dtype, device=device)
-
-
-def _grad_ref(model: TorchNet, module, row: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """∇ (mean cross-entropy over rows x [n, p]) at parameters ``row [d]``, by torch.autograd."""
-    torch.nn.utils.vector_to_parameters(row, module.parameters())
-    with torch.enable_grad():
-        loss = F.cross_entropy(module(model.input_view(x)), y)
-        grads = torch.autograd.grad(loss, list(module.parameters()))
-    return torch.nn.utils.parameters_to_vector(grads)
-
-
-def _ref_args(theta, rows, batches):
-    theta_t, is_np = as_tensor(theta, "theta")
-    rows_t = torch.arange(theta_t.shape[0]) if rows is None else as_tensor(rows, "rows")[0]
-    b = None if batches is None else as_tensor(batches, "batches")[0].to(torch.int64)
-    return theta_t, is_np, rows_t, b
-
-
-def local_steps_ref(model, theta, data, *, steps, lr, prox=0.0, anchor=None, batches=None, rows=None,
-                    grad_scale=None):
-    """Reference of ``local_steps`` for nets: a loop over model rows and steps with autograd."""
-    theta_t, is_np, rows_t, b = _ref_args(theta, rows, batches)
-    anchor_t = None if anchor is None else as_tensor(anchor, "anchor")[0]
-    gs = None if grad_scale is None else as_tensor(grad_scale, "grad_scale")[0]
-    module = _module_ref(model, theta_t.dtype, theta_t.device)
-    for r in range(theta_t.shape[0]):
-        i = int(rows_t[r])
-        lo, hi = int(data.offsets[i]), int(data.offsets[i + 1])
-        a = 0.0 if anchor_t is None else (anchor_t if anchor_t.dim() == 1 else anchor_t[r])
-        scale = 1.0 if gs is None else gs[r]
-        for s in range(steps):
-            x, y = (data.x[lo:hi], data.y[lo:hi]) if b is None else (data.x[b[r, s]], data.y[b[r, s]])
-            g = _grad_ref(model, module, theta_t[r], x, y)
-            theta_t[r] -= lr * (scale * g + model.l2 * theta_t[r] + prox * (theta_t[r] - a))
-    return out_like(theta_t, is_np)
 
 
 # ---- gradients ---------------------------------------------------------------------------------
 
-def gradients(model, theta, data, *, rows=None, batches=None):
+def gradients(model: TorchNet, theta_t: torch.Tensor, data: ClientData, rows_t: torch.Tensor,
+              batches_t: Optional[torch.Tensor]) -> torch.Tensor:
     """``[R, d]``: ∇f_i(θ_r) (full batch) or the minibatch gradient on ``batches [R, B]``, + l2·θ_r."""
-    theta_t, is_np, rows_t = _glm.validate(model, theta, data, rows)
-    theta_t = theta_t.contiguous()
     R = theta_t.shape[0]
-    batches_t = _batches(batches, (R, None), "[R, B]", data, rows_t)
     out = torch.empty_like(theta_t)
     grad = _grad_fn(model)
     rows_per_model = batches_t.shape[1] if batches_t is not None else _max_rows(data, rows_t)
@@ -387,29 +306,14 @@ def gradients(model, theta, data, *, rows=None, batches=None):
         g = model.flatten(grad(model.split(th), data.x[idx], data.y[idx], w))
         out[c0:c1] = g if model.l2 == 0 else g.add_(th, alpha=model.l2)
     _for_chunks(list(_chunks(model, R, rows_per_model, data.dtype, data.device)), work, data.device)
-    return out_like(out, is_np)
-
-
-def gradients_ref(model, theta, data, *, rows=None, batches=None):
-    """Reference of ``gradients`` for nets (a loop over model rows with autograd)."""
-    theta_t, is_np, rows_t, b = _ref_args(theta, rows, batches)
-    module = _module_ref(model, theta_t.dtype, theta_t.device)
-    out = torch.empty_like(theta_t)
-    for r in range(theta_t.shape[0]):
-        i = int(rows_t[r])
-        lo, hi = int(data.offsets[i]), int(data.offsets[i + 1])
-        x, y = (data.x[lo:hi], data.y[lo:hi]) if b is None else (data.x[b[r]], data.y[b[r]])
-        out[r] = _grad_ref(model, module, theta_t[r], x, y) + model.l2 * theta_t[r]
-    return out_like(out, is_np)
+    return out
 
 
 # ---- evaluate ----------------------------------------------------------------------------------
 
-def evaluate(model, theta, data, *, rows=None):
+def evaluate(model: TorchNet, theta_t: torch.Tensor, data: ClientData, rows_t: torch.Tensor):
     """``(loss_sum [R], correct int64 [R], count int64 [R])``: cross-entropy summed over the
     client's rows (no l2), rows whose first maximal logit is the label, rows."""
-    theta_t, is_np, rows_t = _glm.validate(model, theta, data, rows)
-    theta_t = theta_t.contiguous()
     R = theta_t.shape[0]
     loss = torch.empty(R, dtype=theta_t.dtype, device=theta_t.device)
     correct = torch.empty(R, dtype=torch.int64, device=theta_t.device)
@@ -425,41 +329,16 @@ def evaluate(model, theta, data, *, rows=None):
         loss[c0:c1] = torch.where(real, ce, torch.zeros((), dtype=ce.dtype, device=ce.device)).sum(1)
         correct[c0:c1] = ((z.argmax(-1) == y) & real).sum(1)
     _for_chunks(list(_chunks(model, R, _max_rows(data, rows_t), data.dtype, data.device)), work, data.device)
-    return tuple(out_like(t, is_np) for t in (loss, correct, count))
-
-
-def evaluate_ref(model, theta, data, *, rows=None):
-    """Reference of ``evaluate`` for nets (a loop over model rows)."""
-    theta_t, is_np, rows_t, _ = _ref_args(theta, rows, None)
-    module = _module_ref(model, theta_t.dtype, theta_t.device)
-    R = theta_t.shape[0]
-    loss = torch.empty(R, dtype=theta_t.dtype, device=theta_t.device)
-    correct = torch.empty(R, dtype=torch.int64, device=theta_t.device)
-    count = torch.empty(R, dtype=torch.int64, device=theta_t.device)
-    with torch.no_grad():
-        for r in range(R):
-            i = int(rows_t[r])
-            lo, hi = int(data.offsets[i]), int(data.offsets[i + 1])
-            x, y = data.x[lo:hi], data.y[lo:hi]
-            torch.nn.utils.vector_to_parameters(theta_t[r], module.parameters())
-            z = module(model.input_view(x))
-            loss[r] = F.cross_entropy(z, y, reduction="sum")
-            correct[r] = (z.argmax(1) == y).sum()
-            count[r] = hi - lo
-    return tuple(out_like(t, is_np) for t in (loss, correct, count))
+    return loss, correct, count
 
 
 # ---- Hessian-vector products (Per-FedAvg HF) ----------------------------------------------------
 
-def hvp(model: TorchNet, theta: torch.Tensor, v: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
-        batches: torch.Tensor) -> torch.Tensor:
+def hvp(model: TorchNet, theta: torch.Tensor, v: torch.Tensor, data: ClientData, batches: torch.Tensor) -> torch.Tensor:
     """∇²f_i(θ_r; B_r)·v_r + l2·v_r for every row r, exactly (forward-over-reverse autodiff),
-    vmapped over rows: the signature of ``perfedavg.glm_hvp``. theta, v: [R, d];
-    batches: int32 [R, B] absolute row indices into x [N, p], y [N]."""
+    vmapped over rows. theta, v: [R, d]; batches: int32 [R, B] absolute row indices."""
     R, d = theta.shape
-    if v.shape != theta.shape or batches.dim() != 2 or batches.shape[0] != R:
-        raise ValueError(f"hvp: expected theta, v [R, d] and batches [R, B], got theta {list(theta.shape)}, "
-                         f"v {list(v.shape)}, batches {list(batches.shape)}")
+    x, y = data.x, data.y
     out = torch.empty_like(theta)
     fn = _hvp_fn(model)
     idx_all = batches.to(torch.int64)
@@ -475,17 +354,36 @@ def hvp(model: TorchNet, theta: torch.Tensor, v: torch.Tensor, x: torch.Tensor, 
     return out
 
 
-def hvp_ref(model: TorchNet, theta, v, x, y, batches) -> torch.Tensor:
-    """Reference of ``hvp``: double backward on a module, one row at a time."""
-    module = _module_ref(model, theta.dtype, theta.device)
-    out = torch.empty_like(theta)
-    for r in range(theta.shape[0]):
-        idx = batches[r].to(torch.int64)
-        torch.nn.utils.vector_to_parameters(theta[r], module.parameters())
-        params = list(module.parameters())
-        with torch.enable_grad():
-            loss = F.cross_entropy(module(model.input_view(x[idx])), y[idx])
-            g = torch.nn.utils.parameters_to_vector(torch.autograd.grad(loss, params, create_graph=True))
-            hv = torch.autograd.grad(g @ v[r], params)
-        out[r] = torch.nn.utils.parameters_to_vector(hv) + model.l2 * v[r]
-    return out
+# ---- the adapter -------------------------------------------------------------------------------
+
+def _all_rows(data: ClientData, rows: Optional[torch.Tensor]) -> torch.Tensor:
+    return torch.arange(data.offsets.numel() - 1, device=data.x.device) if rows is None else rows
+
+
+class NetsAdapter(Adapter):
+    """The torch nets' implementation (chosen by the model's type, on CPU and CUDA tensors)."""
+
+    name = "nets"
+    devices = ("cpu", "cuda")
+
+    def _load(self):
+        return torch, f"torch.func over all clients (torch {torch.__version__})"
+
+    def local_steps(self, model, theta, data, rows, batches, anchor, grad_scale, steps, lr, prox):
+        if steps == 0:
+            return
+        _values.glm_fault(model, theta, data, rows, batches, anchor, grad_scale)
+        local_steps(model, theta, data, _all_rows(data, rows), batches, anchor, grad_scale, steps, lr, prox)
+
+    def gradients(self, model, theta, data, rows, batches):
+        _values.glm_fault(model, theta, data, rows, batches)
+        return gradients(model, theta, data, _all_rows(data, rows), batches)
+
+    def evaluate(self, model, theta, data, rows):
+        _values.glm_fault(model, theta, data, rows)
+        return evaluate(model, theta, data, _all_rows(data, rows))
+
+    def hvp(self, model, theta, v, data, rows, batches):
+        _values.glm_fault(model, theta, data, rows, batches)
+        _values.finite_rows(v, "v")
+        return hvp(model, theta, v, data, batches)

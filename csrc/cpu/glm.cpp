@@ -12,6 +12,7 @@
 #include <cmath>
 #include <vector>
 
+#include "pflcore/checks.h"
 #include "pflcore/glm.h"
 #include "pflcore/ops_cpu.h"
 
@@ -22,6 +23,11 @@ constexpr int64_t kLanes = 16;               // chunk widths are multiples of th
 constexpr int64_t kChunkBytes = 256 * 1024;  // xt of one chunk stays in L2
 constexpr int64_t kMaxChunkRows = 4096;
 constexpr int64_t kSmallChunk = 64;          // up to this many columns, gradients go row by row
+// Calls with less work than this (multiply-adds) run on the calling thread: waking the team
+// costs more than it saves.
+constexpr int64_t kParallelWork = 1 << 18;
+
+inline int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
 
 // One model in the kernel's layout: Wt [C, p] (transposed from theta's [P, C], so that the
 // gradient of class c is a contiguous row) and the intercept b [C].
@@ -29,8 +35,8 @@ template <typename T>
 struct Model {
   std::vector<T> Wt, b;
   void resize(int64_t p, int64_t C) {
-    Wt.assign(p * C, T(0));
-    b.assign(C, T(0));
+    Wt.resize(p * C);
+    b.resize(C);
   }
   void zero() {
     std::fill(Wt.begin(), Wt.end(), T(0));
@@ -98,11 +104,13 @@ inline double exp_nonpositive(double x) {
   return q * scale.f;
 }
 
-// Per-thread buffers.
+// Per-thread buffers, kept between calls (thread_local, grown on demand): a small call pays
+// no allocation and no zeroing. Every buffer is written before it is read, but `zeros`,
+// which only ever holds zeros.
 template <Family F, typename T>
 struct Workspace {
   using Y = label_t<F, T>;
-  int64_t cap;               // rows per chunk
+  int64_t cap = 0;           // rows per chunk
   Model<T> w, g, a;          // parameters, gradient accumulator, anchor
   std::vector<T> xt;         // [p, cap] the chunk's rows as columns, zero-padded
   std::vector<Y> label;      // [cap] their labels (0 on padding)
@@ -110,48 +118,105 @@ struct Workspace {
   std::vector<T> colmax, colsum, zlabel;  // [cap] softmax scratch
   std::vector<T> zeros;      // [p] the source of padding columns
   std::vector<const T*> row;  // [cap] the chunk's rows in x (row-major, for small chunks)
-  Workspace(int64_t p, int64_t C) {
+
+  // Sizes the buffers for p features, C outputs and chunks of at most `rows` rows.
+  void prepare(int64_t p, int64_t C, int64_t rows) {
     const int64_t fit = kChunkBytes / (p * static_cast<int64_t>(sizeof(T)));
-    cap = std::clamp<int64_t>(fit / kLanes * kLanes, kLanes, kMaxChunkRows);
+    const int64_t most = std::clamp<int64_t>(fit / kLanes * kLanes, kLanes, kMaxChunkRows);
+    cap = std::min(most, round_up(std::max<int64_t>(rows, 1), kLanes));
     w.resize(p, C);
     g.resize(p, C);
     a.resize(p, C);
-    xt.resize(p * cap);
-    label.resize(cap);
-    z.resize(C * cap);
-    colmax.resize(cap);
-    colsum.resize(cap);
-    zlabel.resize(cap);
-    zeros.assign(p, T(0));
-    row.resize(cap);
+    grow(xt, p * cap);
+    grow(label, cap);
+    grow(z, C * cap);
+    grow(colmax, cap);
+    grow(colsum, cap);
+    grow(zlabel, cap);
+    grow(zeros, p);
+    grow(row, cap);
+  }
+  template <typename V>
+  static void grow(std::vector<V>& v, int64_t n) {
+    if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+  }
+  static Workspace& local() {
+    static thread_local Workspace ws;
+    return ws;
   }
 };
 
-inline int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
+// Why a row's label or features cannot be used (checks.h): false after recording the fault.
+template <Family F, typename T>
+bool check_row(const GlmProblem<T>& prob, int64_t key, int64_t row, Faults& faults) {
+  using Y = label_t<F, T>;
+  const Y yv = static_cast<const Y*>(prob.y)[row];
+  if constexpr (F == Family::LeastSquares) {
+    if (!std::isfinite(yv)) {
+      faults.add(key, FaultKind::NonFinite, "y: y[%lld] = %g is not finite", ll(row), double(yv));
+      return false;
+    }
+  } else {
+    const int64_t classes = F == Family::Logistic ? 2 : prob.C;
+    if (yv < 0 || yv >= classes) {
+      faults.add(key, FaultKind::Value, "y: expected labels in [0, %lld), got y[%lld] = %lld", ll(classes), ll(row),
+                 ll(yv));
+      return false;
+    }
+  }
+  if (!all_finite(prob.x + row * prob.p, prob.p)) {
+    faults.add(key, FaultKind::NonFinite, "x: row %lld holds a NaN or infinite value", ll(row));
+    return false;
+  }
+  return true;
+}
 
-// Copies rows row_at(t0 + u), u < nt, into ws.xt as columns; returns the padded width ld.
+// Copies rows row_at(t0 + u), u < nt, into ws.xt as columns and checks their labels and
+// features on the way (labels must be valid before they index anything; NaN/inf detected by
+// the sum of x − x over the copied block). Returns the padded width ld, or -1 after recording
+// the first bad row (in row order) as a fault of model row `key`.
 template <Family F, typename T, typename RowAt>
-int64_t load_chunk(const GlmProblem<T>& prob, Workspace<F, T>& ws, RowAt row_at, int64_t t0,
-                   int64_t nt) {
+int64_t load_chunk(const GlmProblem<T>& prob, Workspace<F, T>& ws, RowAt row_at, int64_t t0, int64_t nt,
+                   int64_t key, Faults& faults) {
   using Y = label_t<F, T>;
   const Y* y = static_cast<const Y*>(prob.y);
   const int64_t p = prob.p, ld = round_up(nt, kLanes);
+  const int64_t classes = F == Family::Logistic ? 2 : prob.C;
   T* xt = ws.xt.data();
   for (int64_t u0 = 0; u0 < ld; u0 += kLanes) {
     const T* src[kLanes];
+    bool labels_ok = true;
     for (int64_t u = 0; u < kLanes; ++u) {
       if (u0 + u < nt) {
         const int64_t r = row_at(t0 + u0 + u);
         src[u] = prob.x + r * p;
         ws.row[u0 + u] = src[u];
-        ws.label[u0 + u] = y[r];
+        const Y yv = y[r];
+        if constexpr (F == Family::LeastSquares) {
+          labels_ok &= std::isfinite(yv);
+          ws.label[u0 + u] = yv;
+        } else {
+          const bool ok = yv >= 0 && yv < classes;
+          labels_ok &= ok;
+          ws.label[u0 + u] = ok ? yv : Y(0);  // never an index out of range, even before the fault is seen
+        }
       } else {
         src[u] = ws.zeros.data();
         ws.label[u0 + u] = Y(0);
       }
     }
+    T nonfinite = T(0);
     for (int64_t k = 0; k < p; ++k)
-      for (int64_t u = 0; u < kLanes; ++u) xt[k * ld + u0 + u] = src[u][k];
+#pragma omp simd reduction(+ : nonfinite)
+      for (int64_t u = 0; u < kLanes; ++u) {
+        const T v = src[u][k];
+        xt[k * ld + u0 + u] = v;
+        nonfinite += v - v;
+      }
+    if (!labels_ok || nonfinite != T(0)) {  // rare: find the first bad row of the block, in order
+      for (int64_t u = 0; u0 + u < nt && u < kLanes; ++u)
+        if (!check_row<F, T>(prob, key, row_at(t0 + u0 + u), faults)) return -1;
+    }
   }
   return ld;
 }
@@ -298,27 +363,74 @@ T chunk_pass(const GlmProblem<T>& prob, Workspace<F, T>& ws, int64_t nt, int64_t
   return loss;
 }
 
-// Loss sum of n rows (row_at(t) gives the absolute index of the t-th), chunk by chunk.
+// Loss sum of n rows (row_at(t) gives the absolute index of the t-th), chunk by chunk; false
+// (after recording a fault for model row `key`) if a row fails its checks.
 template <Family F, typename T, typename RowAt>
-T pass_rows(const GlmProblem<T>& prob, Workspace<F, T>& ws, RowAt row_at, int64_t n, bool grad,
-            int64_t* correct) {
-  T loss = T(0);
+bool pass_rows(const GlmProblem<T>& prob, Workspace<F, T>& ws, RowAt row_at, int64_t n, bool grad, int64_t* correct,
+               int64_t key, Faults& faults, T* loss) {
+  T total = T(0);
   for (int64_t t0 = 0; t0 < n; t0 += ws.cap) {
     const int64_t nt = std::min(ws.cap, n - t0);
-    const int64_t ld = load_chunk(prob, ws, row_at, t0, nt);
-    loss += chunk_pass(prob, ws, nt, ld, grad, correct);
+    const int64_t ld = load_chunk(prob, ws, row_at, t0, nt, key, faults);
+    if (ld < 0) return false;
+    total += chunk_pass(prob, ws, nt, ld, grad, correct);
   }
-  return loss;
+  if (loss) *loss = total;
+  return true;
 }
 
+// Runs fn(r, ws) for every model row, on the team when the call has enough work
+// (`work` multiply-adds), else on the calling thread. Rows never share a sum, so the results
+// do not depend on the thread count.
 template <Family F, typename T, typename Fn>
-void for_each_model_row(const GlmProblem<T>& prob, Fn fn) {
-#pragma omp parallel
+void for_each_model_row(const GlmProblem<T>& prob, int64_t rows_per_chunk, int64_t work, Fn fn) {
+#pragma omp parallel if (prob.R > 1 && work >= kParallelWork)
   {
-    Workspace<F, T> ws(prob.p, prob.C);
+    Workspace<F, T>& ws = Workspace<F, T>::local();
+    ws.prepare(prob.p, prob.C, rows_per_chunk);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t r = 0; r < prob.R; ++r) fn(r, ws);
   }
+}
+
+// Most rows one pass reads (for sizing chunks), and the multiply-adds of one pass over them.
+template <typename T>
+int64_t widest_client(const GlmProblem<T>& prob) {
+  // Only for sizing: a bad offset is reported by client_of_row, and any width works here.
+  int64_t most = 1;
+  for (int64_t r = 0; r < prob.R; ++r) {
+    const int64_t i = prob.rows ? prob.rows[r] : r;
+    if (i < 0 || i >= prob.m) continue;
+    most = std::max(most, prob.offsets[i + 1] - prob.offsets[i]);
+  }
+  return most;
+}
+
+// Checks row r's client, offsets and the batch indices it will read: [steps, B] absolute row
+// indices that must lie in [lo, hi). `two_d` batches are indexed [r, j] in messages.
+inline bool check_batches(const int32_t* batch, int64_t B, int64_t lo, int64_t hi, int64_t client, int64_t r,
+                          int64_t s, bool two_d, Faults& faults) {
+  for (int64_t j = 0; j < B; ++j) {
+    const int64_t b = batch[j];
+    if (b < lo || b >= hi) {
+      if (two_d)
+        faults.add(r, FaultKind::Value, "batches: index %lld at [%lld, %lld] is outside the rows [%lld, %lld) of client %lld",
+                   ll(b), ll(r), ll(j), ll(lo), ll(hi), ll(client));
+      else
+        faults.add(r, FaultKind::Value,
+                   "batches: index %lld at [%lld, %lld, %lld] is outside the rows [%lld, %lld) of client %lld", ll(b),
+                   ll(r), ll(s), ll(j), ll(lo), ll(hi), ll(client));
+      return false;
+    }
+  }
+  return true;
+}
+
+template <typename T>
+bool row_finite(const T* v, int64_t n, const char* name, int64_t r, Faults& faults) {
+  if (all_finite(v, n)) return true;
+  faults.add(r, FaultKind::NonFinite, "%s: row %lld holds a NaN or infinite value", name, ll(r));
+  return false;
 }
 
 // w ← w − lr·(scale·g + l2·w + prox·(w − a)) elementwise; a = 0 when has_anchor is false.
@@ -335,35 +447,50 @@ void apply_step(T* __restrict__ w, const T* __restrict__ g, const T* __restrict_
 }
 
 template <Family F, typename T>
-void local_steps_family(const GlmProblem<T>& prob, const LocalStepsArgs<T>& args) {
+void local_steps_family(const GlmProblem<T>& prob, const LocalStepsArgs<T>& args, Faults& faults) {
   const int64_t p = prob.p, C = prob.C, d = prob.d();
   const bool icpt = prob.intercept;
-  for_each_model_row<F>(prob, [&](int64_t r, Workspace<F, T>& ws) {
-    const int64_t i = prob.rows[r];
-    const int64_t lo = prob.offsets[i], n = prob.offsets[i + 1] - lo;
+  const int64_t per_pass = args.batches ? args.batch_size : widest_client(prob);
+  const int64_t work = prob.R * args.steps * per_pass * (p + 1) * C;
+  if (args.anchor_shared && !all_finite(args.anchor, d)) {
+    faults.add(0, FaultKind::NonFinite, "anchor: holds a NaN or infinite value");
+    return;  // before any row: every row would read it
+  }
+  for_each_model_row<F>(prob, per_pass, work, [&](int64_t r, Workspace<F, T>& ws) {
+    int64_t i, lo, hi;
+    if (!client_of_row(prob.rows, prob.offsets, prob.m, prob.N, r, &i, &lo, &hi, faults)) return;
+    const int64_t n = hi - lo;
     T* theta_r = args.theta + r * d;
-    ws.w.load(theta_r, p, C, icpt);
+    if (!row_finite(theta_r, d, "theta", r, faults)) return;
     const bool has_anchor = args.anchor != nullptr;
-    if (has_anchor) ws.a.load(args.anchor_shared ? args.anchor : args.anchor + r * d, p, C, icpt);
+    const T* anchor_r = args.anchor_shared ? args.anchor : args.anchor + r * d;
+    if (has_anchor && !args.anchor_shared && !row_finite(anchor_r, d, "anchor", r, faults)) return;
     const T gs = args.grad_scale ? args.grad_scale[r] : T(1);
+    if (!std::isfinite(gs)) {
+      faults.add(r, FaultKind::NonFinite, "grad_scale: grad_scale[%lld] = %g is not finite", ll(r), double(gs));
+      return;
+    }
+    ws.w.load(theta_r, p, C, icpt);
+    if (has_anchor) ws.a.load(anchor_r, p, C, icpt);
     const auto full = [lo](int64_t t) { return lo + t; };
-    // A full-batch client that fits one chunk is transposed once for all its steps.
+    // A full-batch client that fits one chunk is transposed (and checked) once for all its steps.
     const bool resident = !args.batches && n <= ws.cap;
-    const int64_t ld = resident ? load_chunk(prob, ws, full, 0, n) : 0;
+    const int64_t ld = resident ? load_chunk(prob, ws, full, 0, n, r, faults) : 0;
+    if (ld < 0) return;
     for (int64_t s = 0; s < args.steps; ++s) {
       ws.g.zero();
-      int64_t nb;
+      int64_t nb = n;
       if (args.batches) {
         const int32_t* batch = args.batches + (r * args.steps + s) * args.batch_size;
         nb = args.batch_size;
-        pass_rows(prob, ws, [batch](int64_t t) { return static_cast<int64_t>(batch[t]); }, nb,
-                  true, nullptr);
+        if (!check_batches(batch, nb, lo, hi, i, r, s, false, faults)) return;
+        if (!pass_rows(prob, ws, [batch](int64_t t) { return static_cast<int64_t>(batch[t]); }, nb, true, nullptr,
+                       r, faults, static_cast<T*>(nullptr)))
+          return;
       } else if (resident) {
-        nb = n;
         chunk_pass(prob, ws, n, ld, true, nullptr);
-      } else {
-        nb = n;
-        pass_rows(prob, ws, full, nb, true, nullptr);
+      } else if (!pass_rows(prob, ws, full, n, true, nullptr, r, faults, static_cast<T*>(nullptr))) {
+        return;
       }
       const T scale = gs / static_cast<T>(nb);
       apply_step(ws.w.Wt.data(), ws.g.Wt.data(), ws.a.Wt.data(), p * C, args.lr, scale, prob.l2,
@@ -372,50 +499,60 @@ void local_steps_family(const GlmProblem<T>& prob, const LocalStepsArgs<T>& args
         apply_step(ws.w.b.data(), ws.g.b.data(), ws.a.b.data(), C, args.lr, scale, prob.l2,
                    args.prox, has_anchor);
     }
-    ws.w.store(theta_r, p, C, icpt);
+    ws.w.store(theta_r, p, C, icpt);  // only a row that passed every check is written
   });
 }
 
 template <Family F, typename T>
 void gradients_family(const GlmProblem<T>& prob, const T* theta, const int32_t* batches,
-                      int64_t batch_size, T* out) {
+                      int64_t batch_size, T* out, Faults& faults) {
   const int64_t p = prob.p, C = prob.C, d = prob.d();
   const bool icpt = prob.intercept;
-  for_each_model_row<F>(prob, [&](int64_t r, Workspace<F, T>& ws) {
-    const int64_t i = prob.rows[r];
-    const int64_t lo = prob.offsets[i], n = prob.offsets[i + 1] - lo;
-    ws.w.load(theta + r * d, p, C, icpt);
+  const int64_t per_pass = batches ? batch_size : widest_client(prob);
+  for_each_model_row<F>(prob, per_pass, prob.R * per_pass * (p + 1) * C, [&](int64_t r, Workspace<F, T>& ws) {
+    int64_t i, lo, hi;
+    if (!client_of_row(prob.rows, prob.offsets, prob.m, prob.N, r, &i, &lo, &hi, faults)) return;
+    const T* th = theta + r * d;
+    if (!row_finite(th, d, "theta", r, faults)) return;
+    ws.w.load(th, p, C, icpt);
     ws.g.zero();
-    int64_t nb = n;
+    int64_t nb = hi - lo;
     if (batches) {
       const int32_t* batch = batches + r * batch_size;
       nb = batch_size;
-      pass_rows(prob, ws, [batch](int64_t t) { return static_cast<int64_t>(batch[t]); }, nb, true,
-                nullptr);
-    } else {
-      pass_rows(prob, ws, [lo](int64_t t) { return lo + t; }, n, true, nullptr);
+      if (!check_batches(batch, nb, lo, hi, i, r, 0, true, faults)) return;
+      if (!pass_rows(prob, ws, [batch](int64_t t) { return static_cast<int64_t>(batch[t]); }, nb, true, nullptr, r,
+                     faults, static_cast<T*>(nullptr)))
+        return;
+    } else if (!pass_rows(prob, ws, [lo](int64_t t) { return lo + t; }, nb, true, nullptr, r, faults,
+                          static_cast<T*>(nullptr))) {
+      return;
     }
-    ws.g.store(out + r * d, p, C, icpt);
-    const T inv_n = T(1) / static_cast<T>(nb);
     T* o = out + r * d;
-    const T* th = theta + r * d;
+    ws.g.store(o, p, C, icpt);
+    const T inv_n = T(1) / static_cast<T>(nb);
     for (int64_t k = 0; k < d; ++k) o[k] = o[k] * inv_n + prob.l2 * th[k];
   });
 }
 
 template <Family F, typename T>
 void evaluate_family(const GlmProblem<T>& prob, const T* theta, T* loss_sum, int64_t* correct,
-                     int64_t* count) {
+                     int64_t* count, Faults& faults) {
   const int64_t p = prob.p, C = prob.C, d = prob.d();
   const bool icpt = prob.intercept;
-  for_each_model_row<F>(prob, [&](int64_t r, Workspace<F, T>& ws) {
-    const int64_t i = prob.rows[r];
-    const int64_t lo = prob.offsets[i], n = prob.offsets[i + 1] - lo;
-    ws.w.load(theta + r * d, p, C, icpt);
+  const int64_t per_pass = widest_client(prob);
+  for_each_model_row<F>(prob, per_pass, prob.R * per_pass * (p + 1) * C, [&](int64_t r, Workspace<F, T>& ws) {
+    int64_t i, lo, hi;
+    if (!client_of_row(prob.rows, prob.offsets, prob.m, prob.N, r, &i, &lo, &hi, faults)) return;
+    const T* th = theta + r * d;
+    if (!row_finite(th, d, "theta", r, faults)) return;
+    ws.w.load(th, p, C, icpt);
     int64_t hits = 0;
-    loss_sum[r] = pass_rows(prob, ws, [lo](int64_t t) { return lo + t; }, n, false, &hits);
+    T loss = T(0);
+    if (!pass_rows(prob, ws, [lo](int64_t t) { return lo + t; }, hi - lo, false, &hits, r, faults, &loss)) return;
+    loss_sum[r] = loss;
     correct[r] = hits;
-    count[r] = n;
+    count[r] = hi - lo;
   });
 }
 
@@ -432,34 +569,33 @@ void dispatch_family(Family f, Fn fn) {
 }  // namespace
 
 template <typename T>
-void local_steps(const GlmProblem<T>& prob, const LocalStepsArgs<T>& args) {
-  dispatch_family(prob.family, [&](auto F) { local_steps_family<decltype(F)::value, T>(prob, args); });
+void local_steps(const GlmProblem<T>& prob, const LocalStepsArgs<T>& args, Faults& faults) {
+  if (args.steps == 0 || prob.R == 0) return;  // reads nothing
+  dispatch_family(prob.family, [&](auto F) { local_steps_family<decltype(F)::value, T>(prob, args, faults); });
 }
 
 template <typename T>
 void gradients(const GlmProblem<T>& prob, const T* theta, const int32_t* batches, int64_t batch_size,
-               T* out) {
+               T* out, Faults& faults) {
   dispatch_family(prob.family, [&](auto F) {
-    gradients_family<decltype(F)::value, T>(prob, theta, batches, batch_size, out);
+    gradients_family<decltype(F)::value, T>(prob, theta, batches, batch_size, out, faults);
   });
 }
 
 template <typename T>
 void evaluate(const GlmProblem<T>& prob, const T* theta, T* loss_sum, int64_t* correct,
-              int64_t* count) {
+              int64_t* count, Faults& faults) {
   dispatch_family(prob.family, [&](auto F) {
-    evaluate_family<decltype(F)::value, T>(prob, theta, loss_sum, correct, count);
+    evaluate_family<decltype(F)::value, T>(prob, theta, loss_sum, correct, count, faults);
   });
 }
 
-template void local_steps<float>(const GlmProblem<float>&, const LocalStepsArgs<float>&);
-template void local_steps<double>(const GlmProblem<double>&, const LocalStepsArgs<double>&);
-template void gradients<float>(const GlmProblem<float>&, const float*, const int32_t*, int64_t,
-                               float*);
-template void gradients<double>(const GlmProblem<double>&, const double*, const int32_t*, int64_t,
-                                double*);
-template void evaluate<float>(const GlmProblem<float>&, const float*, float*, int64_t*, int64_t*);
-template void evaluate<double>(const GlmProblem<double>&, const double*, double*, int64_t*,
-                               int64_t*);
+template void local_steps<float>(const GlmProblem<float>&, const LocalStepsArgs<float>&, Faults&);
+template void local_steps<double>(const GlmProblem<double>&, const LocalStepsArgs<double>&, Faults&);
+template void gradients<float>(const GlmProblem<float>&, const float*, const int32_t*, int64_t, float*, Faults&);
+template void gradients<double>(const GlmProblem<double>&, const double*, const int32_t*, int64_t, double*,
+                                Faults&);
+template void evaluate<float>(const GlmProblem<float>&, const float*, float*, int64_t*, int64_t*, Faults&);
+template void evaluate<double>(const GlmProblem<double>&, const double*, double*, int64_t*, int64_t*, Faults&);
 
 }  // namespace pflcore::cpu

@@ -1,0 +1,93 @@
+// Value checks the CPU kernels make as they read their inputs (DESIGN.md §8).
+//
+// Python checks only metadata (shapes, dtypes, contiguity); the values of the caller's arrays
+// (indices, labels, NaN/inf) are checked here, where they are read, on every call: nothing is
+// cached, so a caller may change an array between calls. A kernel that finds a bad value in
+// model row r stops working on that row (an in-place output keeps that row as it was) and
+// records a Fault; after the parallel region the binding raises the fault with the smallest
+// key as a Python ValueError (or NonFiniteError). The key is the row, so which error is
+// reported does not depend on the thread count.
+//
+// The messages are part of the contract: pflcore/backends/_values.py builds the same text for
+// the other backends (the reference, CUDA and Triton check the same values in a torch pre-pass).
+#pragma once
+#include <atomic>
+#include <cmath>
+#include <cstdarg>
+#include <cstdint>
+#include <cstdio>
+#include <limits>
+#include <mutex>
+#include <string>
+
+namespace pflcore {
+
+enum class FaultKind : int { None = 0, Value = 1, NonFinite = 2 };
+
+// The first fault of a call, by key.
+class Faults {
+ public:
+  bool any() const { return any_.load(std::memory_order_relaxed); }
+  FaultKind kind() const { return kind_; }
+  const std::string& message() const { return message_; }
+
+  // Records a fault found while working on `key` (a model row, a point); keeps the smallest key.
+  void add(int64_t key, FaultKind kind, const char* fmt, ...) __attribute__((format(printf, 4, 5))) {
+    char buf[512];
+    va_list ap;
+    va_start(ap, fmt);
+    std::vsnprintf(buf, sizeof buf, fmt, ap);
+    va_end(ap);
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!any_.load(std::memory_order_relaxed) || key < key_) {
+      key_ = key;
+      kind_ = kind;
+      message_ = buf;
+    }
+    any_.store(true, std::memory_order_relaxed);
+  }
+
+ private:
+  std::atomic<bool> any_{false};
+  std::mutex mu_;
+  int64_t key_ = std::numeric_limits<int64_t>::max();
+  FaultKind kind_ = FaultKind::None;
+  std::string message_;
+};
+
+using ll = long long;  // for printf's %lld
+
+// True when every v[0..n) is finite: v − v is 0 for a finite value and NaN for ±inf or NaN,
+// and a NaN survives the sum (without -ffast-math the compiler may not fold v − v to 0).
+template <typename T>
+inline bool all_finite(const T* __restrict__ v, int64_t n) {
+  T acc = T(0);
+#pragma omp simd reduction(+ : acc)
+  for (int64_t k = 0; k < n; ++k) acc += v[k] - v[k];
+  return acc == T(0);
+}
+
+// Row r's client i and its rows [lo, hi): checks that i is a client and its offsets are
+// ordered and inside x. `rows` (named `name` in messages) null means row r is client r.
+inline bool client_of_row(const int64_t* rows, const int64_t* offsets, int64_t m, int64_t N, int64_t r,
+                          int64_t* client, int64_t* lo, int64_t* hi, Faults& faults, const char* name = "rows") {
+  const int64_t i = rows ? rows[r] : r;
+  if (i < 0 || i >= m) {
+    faults.add(r, FaultKind::Value, "%s: expected client indices in [0, %lld), got %s[%lld] = %lld", name, ll(m),
+               name, ll(r), ll(i));
+    return false;
+  }
+  const int64_t a = offsets[i], b = offsets[i + 1];
+  if (!(0 <= a && a < b && b <= N)) {
+    faults.add(r, FaultKind::Value,
+               "offsets: client %lld needs 0 <= offsets[%lld] < offsets[%lld] <= N = %lld, got %lld and %lld", ll(i),
+               ll(i), ll(i + 1), ll(N), ll(a), ll(b));
+    return false;
+  }
+  *client = i;
+  *lo = a;
+  *hi = b;
+  return true;
+}
+
+}  // namespace pflcore

@@ -1,0 +1,81 @@
+"""What every backend adapter is (DESIGN.md §8).
+
+An adapter is one implementation of the ops: a class whose public methods are the ops it
+serves, each with the same tensor-level signature in every adapter (the public op has already
+checked the metadata: shapes, dtypes, devices, contiguity; the adapter checks the values, or
+its kernels do). The set of ops an adapter serves is the set of those methods: there is no
+list to keep. Each adapter owns its argument conversion (raw addresses for the compiled
+modules, tensors for Triton and torch).
+
+The signatures, for R model rows of a model with d parameters on a ClientData ``data``:
+
+    local_steps(model, theta [R, d], data, rows [R] | None, batches int32 [R, steps, B] | None,
+                anchor [R, d] | [d] | None, grad_scale [R] | None, steps, lr, prox) -> None  (in place)
+    gradients(model, theta, data, rows, batches int32 [R, B] | None) -> [R, d]
+    evaluate(model, theta, data, rows) -> (loss_sum [R], correct int64 [R], count int64 [R])
+    hvp(model, theta, v [R, d], data, rows, batches int32 [R, B]) -> [R, d]
+    sample_batches(data, clients [R] | None, steps, batch_size, seed, counter) -> int32 [R, steps, B]
+    kmeans_assign(points [N, d], centroids [K, d]) -> (labels int64 [N], sqdist [N])
+    kmeans_update(points, labels int64 [N], weights [N] | None, centroids [K, d]) -> weight sums f64 [K]  (in place)
+    anderson_push(u [D], tu [D], R_hist [H, D], TU_hist [H, D], slot, slots: list) -> dots f64 [k] (CPU)
+    anderson_mix(TU_hist [H, D], slots: list, pi f64 [k] (CPU)) -> [D]
+    gram(vecs [k, D]) -> f64 [k, k] (CPU)
+    average(theta [M, d], weights [M], rows [R] | None) -> [d]
+
+``rows`` None means every client in order (R = m) and is never materialized.
+"""
+from __future__ import annotations
+
+from typing import FrozenSet, Optional, Tuple
+
+
+class Adapter:
+    """Base of the adapters: loading, the device types served, and the ops (its methods)."""
+
+    name = ""
+    devices: Tuple[str, ...] = ()
+    auto = True  # may the automatic choice pick it (the Triton interpreter: only by name)
+
+    def __init__(self):
+        self._state: Optional[Tuple[object, str]] = None
+
+    # ---- what a backend says about itself ---------------------------------------------------
+
+    def _load(self) -> Tuple[Optional[object], str]:
+        """(the implementation's module or None, why not / what it is); called once."""
+        raise NotImplementedError
+
+    def load(self) -> Tuple[Optional[object], str]:
+        if self._state is None:
+            self._state = self._load()
+        return self._state
+
+    @property
+    def module(self):
+        return self.load()[0]
+
+    @property
+    def available(self) -> bool:
+        return self.load()[0] is not None
+
+    def serves(self, device_type: str) -> bool:
+        return device_type in self.devices
+
+    def limit(self, op: str, model, dtype) -> Optional[str]:
+        """Why this adapter cannot take this call (e.g. too many classes), or None."""
+        return None
+
+    def describe(self) -> str:
+        """One line for ``pflcore info``."""
+        return self.load()[1]
+
+    @classmethod
+    def ops(cls) -> FrozenSet[str]:
+        """The ops this adapter serves: its public methods beyond the base class's."""
+        cached = cls.__dict__.get("_ops")
+        if cached is None:
+            base = set(dir(Adapter))
+            cached = frozenset(n for n in dir(cls) if not n.startswith("_") and n not in base
+                               and callable(getattr(cls, n)))
+            cls._ops = cached
+        return cached

@@ -1,0 +1,259 @@
+"""The CUDA adapter: the kernels of ``pflcore._core_cuda`` on CUDA tensors.
+
+The module links no libtorch: every tensor goes as a raw device address with its sizes, a
+dtype name and the handle of the current CUDA stream of the tensors' device, so the kernels
+queue behind torch's work. The module dereferences whatever address it gets, so every address
+passes ``ptr`` first: a tensor that is not contiguous, not on the device of the call, or not of
+the dtype the kernel reads is a ValueError naming the argument (never a silent wrong read).
+``launch`` turns a failed launch into a ``CudaKernelError`` that says which op failed and how to
+avoid it. Values are checked before the launch by the torch pre-pass of ``_values.py`` (on the
+device: one extra read of the inputs and one synchronization per call).
+"""
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Callable, List, Optional
+
+import torch
+
+from pflcore.backends import _values
+from pflcore.backends.base import Adapter
+from pflcore.errors import CudaKernelError
+
+
+def _dtype(dt: torch.dtype) -> str:
+    return str(dt).replace("torch.", "")
+
+
+def ptr(t: Optional[torch.Tensor], name: str, device: torch.device, dtype: Optional[torch.dtype] = None) -> int:
+    """Device address of ``t`` (0 for None) after checking that the kernel may read it as a
+    dense array of ``dtype`` on ``device``."""
+    if t is None:
+        return 0
+    if dtype is not None and t.dtype != dtype:
+        raise ValueError(f"{name}: expected dtype {_dtype(dtype)} for the CUDA kernel, got {_dtype(t.dtype)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor for the CUDA kernel (it reads raw memory), "
+                         f"got strides {tuple(t.stride())} for shape {list(t.shape)}")
+    if device.type != "cuda":
+        raise ValueError(f"{name}: the CUDA kernels take CUDA tensors, got one on {t.device}")
+    if t.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device} (the device of the CUDA call), got {t.device}")
+    return t.data_ptr()
+
+
+def dtype_name(t: torch.Tensor) -> str:
+    return _dtype(t.dtype)
+
+
+def stream(t: torch.Tensor) -> int:
+    """Handle of the current stream on ``t``'s device: kernels queue behind torch's work."""
+    return torch.cuda.current_stream(t.device).cuda_stream
+
+
+_HINT = ("Run `pflcore info` to see the device and the architectures the module was built for; "
+         "PFLCORE_BACKEND=triton or =reference runs the op without it")
+
+
+def launch(op: str, fn: Callable, *args) -> None:
+    """``fn(*args)`` (a binding of pflcore._core_cuda) with its failure explained.
+
+    Kernels run asynchronously: an error while one runs (not at its launch) surfaces at the
+    next synchronizing call, wherever that is. With PFLCORE_CUDA_SYNC=1 every launch is
+    followed by a synchronize, so such an error is reported here, naming the op (slow: for
+    debugging)."""
+    try:
+        fn(*args)
+    except RuntimeError as exc:
+        raise CudaKernelError(f"{op}: the CUDA backend failed to launch its kernel ({exc}). {_HINT}") from exc
+    if os.environ.get("PFLCORE_CUDA_SYNC", "") == "1":
+        try:
+            torch.cuda.synchronize()
+        except RuntimeError as exc:
+            raise CudaKernelError(f"{op}: the CUDA kernel failed while it ran ({exc}). {_HINT}") from exc
+
+
+def max_classes(module, dtype: torch.dtype) -> int:
+    """Largest number of classes C the module's GLM kernels take for ``dtype``."""
+    f32, f64 = module.build_info()["max_classes"]
+    return f64 if dtype == torch.float64 else f32
+
+
+def _archs(module) -> List[int]:
+    """Compute capabilities (major*10 + minor) the CUDA module has code for."""
+    out = []
+    for a in str(module.build_info()["architectures"]).replace(";", ",").split(","):
+        digits = "".join(ch for ch in a if ch.isdigit())
+        if digits:
+            out.append(int(digits))
+    return out
+
+
+def usable(module):
+    """(module, "") when the runtime sees a device the module has code for, else (None, why)."""
+    if hasattr(module, "runtime_status"):
+        rt = module.runtime_status()
+    else:  # a module built before runtime_status existed
+        rt = {"device_count": module.device_count(), "error": "", "driver_version": -1}
+    if rt["device_count"] == 0:
+        if rt["driver_version"] == 0:
+            return None, "built, but no NVIDIA driver is installed on this machine"
+        if rt["error"]:
+            hint = (f" (driver {rt['driver_version']} is older than the CUDA runtime "
+                    f"{rt.get('runtime_version', '?')} the module was built with: update the driver or "
+                    f"rebuild with an older toolkit)" if "InsufficientDriver" in rt["error"] else "")
+            return None, f"built, but the CUDA runtime finds no usable device: {rt['error']}{hint}"
+        return None, "built, but no CUDA device is visible to the CUDA runtime"
+    archs = _archs(module)
+    if archs:
+        caps = [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
+        if caps and all(c[0] * 10 + c[1] < min(archs) for c in caps):
+            return None, (f"built for compute capability {', '.join(str(a) for a in archs)}, but the "
+                          f"devices have {', '.join(f'{c[0]}.{c[1]}' for c in caps)} (below "
+                          f"{min(archs) // 10}.{min(archs) % 10}): rebuild with "
+                          f"CMAKE_CUDA_ARCHITECTURES set for them")
+    return module, ""
+
+
+def glm_args(model, theta: torch.Tensor, data, rows: Optional[torch.Tensor]) -> tuple:
+    """The leading arguments of _core_cuda.local_steps / gradients / evaluate (rows
+    materialized: the kernels index them)."""
+    dev, dt = theta.device, theta.dtype
+    if rows is None:
+        rows = torch.arange(data.offsets.numel() - 1, device=dev)
+    y_dtype = torch.int64 if model.is_classifier else dt
+    return (model.code, model.p, model.C, model.fit_intercept, model.l2, ptr(theta, "theta", dev, dt),
+            ptr(data.x, "x", dev, dt), ptr(data.y, "y", dev, y_dtype),
+            ptr(data.offsets, "offsets", dev, torch.int64), ptr(rows, "rows", dev, torch.int64), theta.shape[0])
+
+
+class CudaAdapter(Adapter):
+    name = "cuda"
+    devices = ("cuda",)
+
+    def _load(self):
+        try:
+            module = importlib.import_module("pflcore._core_cuda")
+        except ModuleNotFoundError as exc:
+            if exc.name != "pflcore._core_cuda":
+                raise
+            return None, ("not built: the CUDA module is compiled only when nvcc is found at "
+                          "install time (or PFLCORE_CUDA=ON); reinstall with nvcc on PATH")
+        except (ImportError, OSError) as exc:
+            return None, (f"built, but pflcore._core_cuda failed to load ({type(exc).__name__}: {exc}); "
+                          f"rebuild it against this Python and torch (`pip install .`)")
+        return usable(module)
+
+    def describe(self) -> str:
+        module, reason = self.load()
+        if module is None:
+            return reason
+        info = module.build_info()
+        driver = module.runtime_status()["driver_version"] if hasattr(module, "runtime_status") else -1
+        return (f"CUDA runtime {info['cuda_runtime_version']}, driver {driver}, architectures "
+                f"{info['architectures']}, ops: {', '.join(sorted(self.ops()))}, GLM classes up to "
+                f"{info['max_classes'][0]} (float32) / {info['max_classes'][1]} (float64)")
+
+    def limit(self, op: str, model, dtype) -> Optional[str]:
+        if op not in ("local_steps", "gradients", "evaluate") or model is None:
+            return None
+        most = max_classes(self.module, dtype)
+        if model.C > most:
+            return (f"its GLM kernels hold one row's {model.C} logits in shared memory and take at most "
+                    f"C = {most} classes in {_dtype(dtype)}")
+        return None
+
+    def local_steps(self, model, theta, data, rows, batches, anchor, grad_scale, steps, lr, prox):
+        if steps == 0:
+            return
+        _values.glm_fault(model, theta, data, rows, batches, anchor, grad_scale)
+        dev, dt = theta.device, theta.dtype
+        with torch.cuda.device(dev):
+            launch("local_steps", self.module.local_steps, *glm_args(model, theta, data, rows),
+                   ptr(batches, "batches", dev, torch.int32), 0 if batches is None else batches.shape[2],
+                   ptr(anchor, "anchor", dev, dt), anchor is not None and anchor.dim() == 1,
+                   ptr(grad_scale, "grad_scale", dev, dt), steps, lr, prox, dtype_name(theta), stream(theta))
+
+    def gradients(self, model, theta, data, rows, batches):
+        _values.glm_fault(model, theta, data, rows, batches)
+        out = torch.empty_like(theta)
+        dev = theta.device
+        with torch.cuda.device(dev):
+            launch("gradients", self.module.gradients, *glm_args(model, theta, data, rows),
+                   ptr(batches, "batches", dev, torch.int32), 0 if batches is None else batches.shape[1],
+                   ptr(out, "out", dev, theta.dtype), dtype_name(theta), stream(theta))
+        return out
+
+    def evaluate(self, model, theta, data, rows):
+        _values.glm_fault(model, theta, data, rows)
+        R, dev = theta.shape[0], theta.device
+        loss = torch.empty(R, dtype=theta.dtype, device=dev)
+        correct = torch.empty(R, dtype=torch.int64, device=dev)
+        count = torch.empty(R, dtype=torch.int64, device=dev)
+        with torch.cuda.device(dev):
+            launch("evaluate", self.module.evaluate, *glm_args(model, theta, data, rows),
+                   ptr(loss, "loss", dev, theta.dtype), ptr(correct, "correct", dev, torch.int64),
+                   ptr(count, "count", dev, torch.int64), dtype_name(theta), stream(theta))
+        return loss, correct, count
+
+    def kmeans_assign(self, points, centroids):
+        _values.kmeans_assign_fault(points, centroids)
+        N = points.shape[0]
+        labels = torch.empty(N, dtype=torch.int64, device=points.device)
+        sqdist = torch.empty(N, dtype=points.dtype, device=points.device)
+        dev, dt = points.device, points.dtype
+        with torch.cuda.device(dev):
+            launch("kmeans_assign", self.module.kmeans_assign, ptr(points, "points", dev, dt),
+                   ptr(centroids, "centroids", dev, dt), ptr(labels, "labels", dev, torch.int64),
+                   ptr(sqdist, "sqdist", dev, dt), N, centroids.shape[0], points.shape[1], dtype_name(points),
+                   stream(points))
+        return labels, sqdist
+
+    def kmeans_update(self, points, labels, weights, centroids):
+        """A segmented reduction over the points sorted (stably) by label."""
+        K = centroids.shape[0]
+        _values.kmeans_update_fault(labels, weights, K)
+        wsum = torch.empty(K, dtype=torch.float64, device=points.device)
+        order = torch.sort(labels, stable=True).indices
+        seg = torch.zeros(K + 1, dtype=torch.int64, device=labels.device)
+        seg[1:] = torch.cumsum(torch.bincount(labels, minlength=K), 0)
+        dev, dt = points.device, points.dtype
+        with torch.cuda.device(dev):
+            launch("kmeans_update", self.module.kmeans_update, ptr(points, "points", dev, dt),
+                   ptr(order, "order", dev, torch.int64), ptr(seg, "seg", dev, torch.int64),
+                   ptr(weights, "weights", dev, dt), ptr(centroids, "centroids", dev, dt),
+                   ptr(wsum, "wsum", dev, torch.float64), points.shape[0], K, points.shape[1],
+                   dtype_name(points), stream(points))
+        return wsum
+
+    def anderson_push(self, u, tu, R_hist, TU_hist, slot: int, slots: List[int]):
+        """The history stays on the device; only the k dots come back."""
+        dev, dt = u.device, u.dtype
+        order = torch.tensor(slots, dtype=torch.int64, device=dev)
+        dots = torch.empty(len(slots), dtype=torch.float64, device=dev)
+        with torch.cuda.device(dev):
+            launch("Anderson.step", self.module.anderson_push, ptr(u, "u", dev, dt), ptr(tu, "tu", dev, dt),
+                   ptr(R_hist, "residual history", dev, dt), ptr(TU_hist, "image history", dev, dt), u.numel(),
+                   slot, ptr(order, "slots", dev, torch.int64), len(slots),
+                   ptr(dots, "dots", dev, torch.float64), dtype_name(u), stream(u))
+        return dots.cpu()
+
+    def anderson_mix(self, TU_hist, slots: List[int], pi):
+        dev, dt = TU_hist.device, TU_hist.dtype
+        order = torch.tensor(slots, dtype=torch.int64, device=dev)
+        pi_dev = pi.to(dev)
+        out = torch.empty(TU_hist.shape[1], dtype=dt, device=dev)
+        with torch.cuda.device(dev):
+            launch("Anderson.step", self.module.anderson_mix, ptr(TU_hist, "image history", dev, dt),
+                   TU_hist.shape[1], ptr(order, "slots", dev, torch.int64), ptr(pi_dev, "pi", dev, torch.float64),
+                   len(slots), ptr(out, "out", dev, dt), dtype_name(out), stream(out))
+        return out
+
+    def gram(self, vecs):
+        k, dev = vecs.shape[0], vecs.device
+        G = torch.empty(k, k, dtype=torch.float64, device=dev)
+        with torch.cuda.device(dev):
+            launch("anderson_weights", self.module.gram, ptr(vecs, "residuals", dev, vecs.dtype), k, vecs.shape[1],
+                   ptr(G, "G", dev, torch.float64), dtype_name(vecs), stream(vecs))
+        return G.cpu()

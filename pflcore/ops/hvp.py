@@ -1,0 +1,34 @@
+"""``hvp``: exact Hessian-vector products of the clients' minibatch objectives (what
+Per-FedAvg's HF variant needs), ∇²f_i(θ_r; B_r)·v_r + l2·v_r for every model row r with client
+i = rows[r]. GLMs in closed form (∇²(mean loss)·v = Xᵀ J X v / B, J the Hessian of the loss in
+the logits); torch nets by forward-over-reverse autodiff, vmapped over rows."""
+from __future__ import annotations
+
+from pflcore import backend
+from pflcore._arrays import from_tensor
+from pflcore.ops._args import batches_arg, check_data, check_model, rows_arg, theta_arg
+
+
+def hvp(model, theta, v, data, *, batches, rows=None):
+    """``[R, d]``: the Hessian of each row's minibatch objective at ``theta [R, d]`` times
+    ``v [R, d]``; ``batches``: ``int32 [R, B]`` absolute row indices in each row's client."""
+    check_model(model)
+    x, N, m = check_data(model, data)
+    rows_t = rows_arg(rows, x)
+    theta_t, kind = theta_arg(theta, model, x, m, rows_t is not None, inplace=False)
+    R = theta_t.shape[0]
+    v_t, _ = theta_arg(v, model, x, R, True, inplace=False, name="v")
+    if v_t.shape[0] != R:
+        raise ValueError(f"v: expected shape [R, d] = [{R}, {model.d}] (the shape of theta), got {list(v_t.shape)}")
+    if batches is None:
+        raise ValueError("batches: expected int32 [R, B] minibatch indices (ops.sample_batches), got None")
+    batches_t = batches_arg(batches, x, (R, None), "[R, B]")
+    out = backend.select("hvp", model, theta_t).hvp(model, theta_t, v_t, data, rows_t, batches_t)
+    return from_tensor(out, kind)
+
+
+def hvp_ref(model, theta, v, data, *, batches, rows=None):
+    """``hvp`` on the reference: the closed form above for GLMs; for nets, double backward on a
+    ``torch.nn`` module, one row at a time."""
+    with backend.use("reference"):
+        return hvp(model, theta, v, data, batches=batches, rows=rows)
