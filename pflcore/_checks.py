@@ -81,6 +81,8 @@ def check_finite(t: torch.Tensor, name: str) -> None:
 
 
 def check_positive_int(value, name: str, minimum: int = 1, maximum: Optional[int] = None) -> int:
+    if type(value) is int and value >= minimum and (maximum is None or value <= maximum):
+        return value
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum \
             or (maximum is not None and value > maximum):
         bound = f"in [{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"

@@ -34,6 +34,7 @@ from pflcore.backends.nets import NetsAdapter
 from pflcore.backends.reference import ReferenceAdapter
 from pflcore.backends.triton import TritonAdapter
 from pflcore.errors import BackendUnavailable
+from pflcore.models.glm import LeastSquares, Logistic, Softmax
 from pflcore.models.nets import TorchNet
 
 ADAPTERS: Dict[str, Adapter] = {a.name: a for a in (NativeAdapter(), CudaAdapter(), TritonAdapter(),
@@ -41,6 +42,7 @@ ADAPTERS: Dict[str, Adapter] = {a.name: a for a in (NativeAdapter(), CudaAdapter
 BACKENDS = ("native", "cuda", "triton", "reference")  # the names a user may ask for
 _AUTO_ORDER = {"cpu": ("native", "reference"), "cuda": ("cuda", "triton", "reference")}
 REFERENCE = ADAPTERS["reference"]
+_GLM_TYPES = (LeastSquares, Logistic, Softmax)  # the common case, told apart without isinstance
 NETS = ADAPTERS["nets"]
 
 _forced: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("pflcore_backend", default=None)
@@ -93,12 +95,22 @@ def devices() -> List[str]:
     return lines
 
 
+# PFLCORE_BACKEND is read on every call (a test or a user may set it at any time), from the
+# environment's own dict: os.environ.get decodes and costs ~1 µs, a tenth of a small op call.
+_ENV = getattr(os.environ, "_data", None)
+_ENV_KEY = os.environ.encodekey("PFLCORE_BACKEND") if _ENV is not None else None
+
+
 def requested() -> Optional[str]:
     """The backend asked for by ``use()`` or ``PFLCORE_BACKEND``, or None for automatic."""
     name = _forced.get()
     if name is not None:
         return name
-    env = os.environ.get("PFLCORE_BACKEND")
+    if _ENV is not None:
+        raw = _ENV.get(_ENV_KEY)
+        env = None if raw is None else os.environ.decodevalue(raw)
+    else:  # pragma: no cover - an environment without the private dict
+        env = os.environ.get("PFLCORE_BACKEND")
     if env:
         env = env.strip()
         return _check_name(env, "PFLCORE_BACKEND") if env else None
@@ -127,11 +139,11 @@ def select(op: str, model, tensor) -> Adapter:
         raise ValueError(f"{op}: tensors on device {dev!r} are not served by any backend "
                          f"(pflcore runs on 'cpu' and 'cuda' tensors)")
     name = requested()
-    if model is not None and isinstance(model, TorchNet):
+    if model is not None and type(model) not in _GLM_TYPES and isinstance(model, TorchNet):
         return REFERENCE if name == "reference" else NETS
     if name is not None:
         return _requested(name, op, model, tensor, dev)
-    key = (op, dev, None if model is None else model.C, tensor.dtype)
+    key = (op, dev, 0 if model is None else model.C, tensor.dtype)
     found = _auto_cache.get(key)
     if found is None:
         found = next(a for a in (ADAPTERS[n] for n in _AUTO_ORDER[dev])

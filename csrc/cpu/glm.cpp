@@ -14,6 +14,7 @@
 
 #include "pflcore/checks.h"
 #include "pflcore/glm.h"
+#include "glm_minibatch.h"
 #include "pflcore/ops_cpu.h"
 
 namespace pflcore::cpu {
@@ -384,7 +385,13 @@ bool pass_rows(const GlmProblem<T>& prob, Workspace<F, T>& ws, RowAt row_at, int
 // do not depend on the thread count.
 template <Family F, typename T, typename Fn>
 void for_each_model_row(const GlmProblem<T>& prob, int64_t rows_per_chunk, int64_t work, Fn fn) {
-#pragma omp parallel if (prob.R > 1 && work >= kParallelWork)
+  if (prob.R <= 1 || work < kParallelWork) {  // a small call: no team to wake
+    Workspace<F, T>& ws = Workspace<F, T>::local();
+    ws.prepare(prob.p, prob.C, rows_per_chunk);
+    for (int64_t r = 0; r < prob.R; ++r) fn(r, ws);
+    return;
+  }
+#pragma omp parallel
   {
     Workspace<F, T>& ws = Workspace<F, T>::local();
     ws.prepare(prob.p, prob.C, rows_per_chunk);
@@ -446,7 +453,74 @@ void apply_step(T* __restrict__ w, const T* __restrict__ g, const T* __restrict_
   }
 }
 
-template <Family F, typename T>
+// Checks the labels and features of the rows row_at(0..n) in order (after their indices).
+template <typename T, typename RowAt>
+bool check_rows(const GlmProblem<T>& prob, RowAt row_at, int64_t n, int64_t key, Faults& faults) {
+  for (int64_t j = 0; j < n; ++j)
+    if (!check_row<Family::Softmax, T>(prob, key, row_at(j), faults)) return false;
+  return true;
+}
+
+// The row path (glm_minibatch.h) for softmax with C <= 4 registers of classes, used for every
+// model row whose pass reads at most minibatch::kMaxRows rows (a minibatch, or a small client
+// in a full-batch pass). The choice depends only on that row's own sizes, never on the other
+// rows of the call, so a client's result is the same whatever it is batched with (sharding).
+// CP = 0: no row path (other families, or too many classes).
+template <int64_t CP>
+inline bool on_row_path(int64_t rows_per_pass) {
+  return CP > 0 && rows_per_pass <= minibatch::kMaxRows;
+}
+
+// The checks every model row starts with: its client, its parameters, anchor and grad_scale.
+template <typename T>
+bool row_args_ok(const GlmProblem<T>& prob, const LocalStepsArgs<T>& args, int64_t r, int64_t* i, int64_t* lo,
+                 int64_t* hi, Faults& faults) {
+  const int64_t d = prob.d();
+  if (!client_of_row(prob.rows, prob.offsets, prob.m, prob.N, r, i, lo, hi, faults)) return false;
+  if (!row_finite(args.theta + r * d, d, "theta", r, faults)) return false;
+  if (args.anchor && !args.anchor_shared && !row_finite(args.anchor + r * d, d, "anchor", r, faults)) return false;
+  const T gs = args.grad_scale ? args.grad_scale[r] : T(1);
+  if (!std::isfinite(gs)) {
+    faults.add(r, FaultKind::NonFinite, "grad_scale: grad_scale[%lld] = %g is not finite", ll(r), double(gs));
+    return false;
+  }
+  return true;
+}
+
+// Row r's steps on the row path.
+template <typename T, int64_t CP>
+void local_steps_rowpath(const GlmProblem<T>& prob, const LocalStepsArgs<T>& args, int64_t r, int64_t i, int64_t lo,
+                         int64_t hi, Faults& faults) {
+  const int64_t p = prob.p, C = prob.C, d = prob.d(), P = p + (prob.intercept ? 1 : 0);
+  const auto expf_ = [](T v) { return exp_nonpositive(v); };
+  const int64_t* y = static_cast<const int64_t*>(prob.y);
+  auto& mb = minibatch::Buffers<T>::local();
+  mb.prepare(P, CP);
+  T* theta_r = args.theta + r * d;
+  const bool has_anchor = args.anchor != nullptr;
+  const auto full = [lo](int64_t t) { return lo + t; };
+  if (!args.batches && !check_rows(prob, full, hi - lo, r, faults)) return;  // the same rows every step
+  minibatch::load_padded<T, CP>(mb.W.data(), theta_r, P, C);
+  if (has_anchor) minibatch::load_padded<T, CP>(mb.A.data(), args.anchor_shared ? args.anchor : args.anchor + r * d, P, C);
+  const int64_t B = args.batches ? args.batch_size : hi - lo;
+  const T scale = (args.grad_scale ? args.grad_scale[r] : T(1)) / static_cast<T>(B);
+  for (int64_t s = 0; s < args.steps; ++s) {
+    if (args.batches) {
+      const int32_t* batch = args.batches + (r * args.steps + s) * B;
+      const auto at = [batch](int64_t t) { return static_cast<int64_t>(batch[t]); };
+      if (!check_batches(batch, B, lo, hi, i, r, s, false, faults) || !check_rows(prob, at, B, r, faults)) return;
+      minibatch::gradient<T, CP>(prob.x, p, y, prob.intercept, C, at, B, mb.W.data(), mb.G.data(), mb.Z.data(), false,
+                                 expf_);
+    } else {
+      minibatch::gradient<T, CP>(prob.x, p, y, prob.intercept, C, full, B, mb.W.data(), mb.G.data(), mb.Z.data(),
+                                 false, expf_);
+    }
+    apply_step(mb.W.data(), mb.G.data(), mb.A.data(), P * CP, args.lr, scale, prob.l2, args.prox, has_anchor);
+  }
+  minibatch::store_unpadded<T, CP>(theta_r, mb.W.data(), P, C);  // only a row that passed every check
+}
+
+template <Family F, typename T, int64_t CP>
 void local_steps_family(const GlmProblem<T>& prob, const LocalStepsArgs<T>& args, Faults& faults) {
   const int64_t p = prob.p, C = prob.C, d = prob.d();
   const bool icpt = prob.intercept;
@@ -458,18 +532,16 @@ void local_steps_family(const GlmProblem<T>& prob, const LocalStepsArgs<T>& args
   }
   for_each_model_row<F>(prob, per_pass, work, [&](int64_t r, Workspace<F, T>& ws) {
     int64_t i, lo, hi;
-    if (!client_of_row(prob.rows, prob.offsets, prob.m, prob.N, r, &i, &lo, &hi, faults)) return;
+    if (!row_args_ok(prob, args, r, &i, &lo, &hi, faults)) return;
     const int64_t n = hi - lo;
-    T* theta_r = args.theta + r * d;
-    if (!row_finite(theta_r, d, "theta", r, faults)) return;
-    const bool has_anchor = args.anchor != nullptr;
-    const T* anchor_r = args.anchor_shared ? args.anchor : args.anchor + r * d;
-    if (has_anchor && !args.anchor_shared && !row_finite(anchor_r, d, "anchor", r, faults)) return;
-    const T gs = args.grad_scale ? args.grad_scale[r] : T(1);
-    if (!std::isfinite(gs)) {
-      faults.add(r, FaultKind::NonFinite, "grad_scale: grad_scale[%lld] = %g is not finite", ll(r), double(gs));
+    if (on_row_path<CP>(args.batches ? args.batch_size : n)) {
+      if constexpr (CP > 0) local_steps_rowpath<T, CP>(prob, args, r, i, lo, hi, faults);
       return;
     }
+    T* theta_r = args.theta + r * d;
+    const bool has_anchor = args.anchor != nullptr;
+    const T* anchor_r = args.anchor_shared ? args.anchor : args.anchor + r * d;
+    const T gs = args.grad_scale ? args.grad_scale[r] : T(1);
     ws.w.load(theta_r, p, C, icpt);
     if (has_anchor) ws.a.load(anchor_r, p, C, icpt);
     const auto full = [lo](int64_t t) { return lo + t; };
@@ -503,10 +575,10 @@ void local_steps_family(const GlmProblem<T>& prob, const LocalStepsArgs<T>& args
   });
 }
 
-template <Family F, typename T>
+template <Family F, typename T, int64_t CP>
 void gradients_family(const GlmProblem<T>& prob, const T* theta, const int32_t* batches,
                       int64_t batch_size, T* out, Faults& faults) {
-  const int64_t p = prob.p, C = prob.C, d = prob.d();
+  const int64_t p = prob.p, C = prob.C, d = prob.d(), P = p + (prob.intercept ? 1 : 0);
   const bool icpt = prob.intercept;
   const int64_t per_pass = batches ? batch_size : widest_client(prob);
   for_each_model_row<F>(prob, per_pass, prob.R * per_pass * (p + 1) * C, [&](int64_t r, Workspace<F, T>& ws) {
@@ -514,31 +586,50 @@ void gradients_family(const GlmProblem<T>& prob, const T* theta, const int32_t* 
     if (!client_of_row(prob.rows, prob.offsets, prob.m, prob.N, r, &i, &lo, &hi, faults)) return;
     const T* th = theta + r * d;
     if (!row_finite(th, d, "theta", r, faults)) return;
-    ws.w.load(th, p, C, icpt);
-    ws.g.zero();
-    int64_t nb = hi - lo;
-    if (batches) {
-      const int32_t* batch = batches + r * batch_size;
-      nb = batch_size;
-      if (!check_batches(batch, nb, lo, hi, i, r, 0, true, faults)) return;
-      if (!pass_rows(prob, ws, [batch](int64_t t) { return static_cast<int64_t>(batch[t]); }, nb, true, nullptr, r,
-                     faults, static_cast<T*>(nullptr)))
-        return;
-    } else if (!pass_rows(prob, ws, [lo](int64_t t) { return lo + t; }, nb, true, nullptr, r, faults,
-                          static_cast<T*>(nullptr))) {
-      return;
-    }
+    const int32_t* batch = batches ? batches + r * batch_size : nullptr;
+    const int64_t nb = batches ? batch_size : hi - lo;
+    if (batch && !check_batches(batch, nb, lo, hi, i, r, 0, true, faults)) return;
     T* o = out + r * d;
-    ws.g.store(o, p, C, icpt);
     const T inv_n = T(1) / static_cast<T>(nb);
+    if (on_row_path<CP>(nb)) {
+      if constexpr (CP > 0) {
+        auto& mb = minibatch::Buffers<T>::local();
+        mb.prepare(P, CP);
+        const auto expf_ = [](T v) { return exp_nonpositive(v); };
+        const int64_t* y = static_cast<const int64_t*>(prob.y);
+        minibatch::load_padded<T, CP>(mb.W.data(), th, P, C);
+        const auto run = [&](auto at) {
+          if (!check_rows(prob, at, nb, r, faults)) return false;
+          minibatch::gradient<T, CP>(prob.x, p, y, icpt, C, at, nb, mb.W.data(), mb.G.data(), mb.Z.data(), false,
+                                     expf_);
+          return true;
+        };
+        const bool ok = batch ? run([batch](int64_t t) { return static_cast<int64_t>(batch[t]); })
+                              : run([lo](int64_t t) { return lo + t; });
+        if (!ok) return;
+        minibatch::store_unpadded<T, CP>(o, mb.G.data(), P, C);
+      }
+    } else {
+      ws.w.load(th, p, C, icpt);
+      ws.g.zero();
+      if (batch) {
+        if (!pass_rows(prob, ws, [batch](int64_t t) { return static_cast<int64_t>(batch[t]); }, nb, true, nullptr, r,
+                       faults, static_cast<T*>(nullptr)))
+          return;
+      } else if (!pass_rows(prob, ws, [lo](int64_t t) { return lo + t; }, nb, true, nullptr, r, faults,
+                            static_cast<T*>(nullptr))) {
+        return;
+      }
+      ws.g.store(o, p, C, icpt);
+    }
     for (int64_t k = 0; k < d; ++k) o[k] = o[k] * inv_n + prob.l2 * th[k];
   });
 }
 
-template <Family F, typename T>
+template <Family F, typename T, int64_t CP>
 void evaluate_family(const GlmProblem<T>& prob, const T* theta, T* loss_sum, int64_t* correct,
                      int64_t* count, Faults& faults) {
-  const int64_t p = prob.p, C = prob.C, d = prob.d();
+  const int64_t p = prob.p, C = prob.C, d = prob.d(), P = p + (prob.intercept ? 1 : 0);
   const bool icpt = prob.intercept;
   const int64_t per_pass = widest_client(prob);
   for_each_model_row<F>(prob, per_pass, prob.R * per_pass * (p + 1) * C, [&](int64_t r, Workspace<F, T>& ws) {
@@ -546,14 +637,36 @@ void evaluate_family(const GlmProblem<T>& prob, const T* theta, T* loss_sum, int
     if (!client_of_row(prob.rows, prob.offsets, prob.m, prob.N, r, &i, &lo, &hi, faults)) return;
     const T* th = theta + r * d;
     if (!row_finite(th, d, "theta", r, faults)) return;
-    ws.w.load(th, p, C, icpt);
     int64_t hits = 0;
     T loss = T(0);
-    if (!pass_rows(prob, ws, [lo](int64_t t) { return lo + t; }, hi - lo, false, &hits, r, faults, &loss)) return;
+    const auto full = [lo](int64_t t) { return lo + t; };
+    if (on_row_path<CP>(hi - lo)) {
+      if constexpr (CP > 0) {
+        auto& mb = minibatch::Buffers<T>::local();
+        mb.prepare(P, CP);
+        if (!check_rows(prob, full, hi - lo, r, faults)) return;
+        minibatch::load_padded<T, CP>(mb.W.data(), th, P, C);
+        loss = minibatch::loss_and_hits<T, CP>(prob.x, p, static_cast<const int64_t*>(prob.y), icpt, C, full, hi - lo,
+                                               mb.W.data(), mb.Z.data(), &hits,
+                                               [](T v) { return exp_nonpositive(v); });
+      }
+    } else {
+      ws.w.load(th, p, C, icpt);
+      if (!pass_rows(prob, ws, full, hi - lo, false, &hits, r, faults, &loss)) return;
+    }
     loss_sum[r] = loss;
     correct[r] = hits;
     count[r] = hi - lo;
   });
+}
+
+// fn(CP) with the padded class count of the row path for softmax (when C fits), else fn(0).
+template <Family F, typename T, typename Fn>
+void with_row_path(int64_t C, Fn fn) {
+  if constexpr (F == Family::Softmax) {
+    if (minibatch::with_padded_classes<T>(C, fn)) return;
+  }
+  fn(std::integral_constant<int64_t, 0>{});
 }
 
 // Calls fn with the family as a compile-time constant.
@@ -571,14 +684,20 @@ void dispatch_family(Family f, Fn fn) {
 template <typename T>
 void local_steps(const GlmProblem<T>& prob, const LocalStepsArgs<T>& args, Faults& faults) {
   if (args.steps == 0 || prob.R == 0) return;  // reads nothing
-  dispatch_family(prob.family, [&](auto F) { local_steps_family<decltype(F)::value, T>(prob, args, faults); });
+  dispatch_family(prob.family, [&](auto F) {
+    constexpr Family f = decltype(F)::value;
+    with_row_path<f, T>(prob.C, [&](auto CP) { local_steps_family<f, T, CP.value>(prob, args, faults); });
+  });
 }
 
 template <typename T>
 void gradients(const GlmProblem<T>& prob, const T* theta, const int32_t* batches, int64_t batch_size,
                T* out, Faults& faults) {
   dispatch_family(prob.family, [&](auto F) {
-    gradients_family<decltype(F)::value, T>(prob, theta, batches, batch_size, out, faults);
+    constexpr Family f = decltype(F)::value;
+    with_row_path<f, T>(prob.C, [&](auto CP) {
+      gradients_family<f, T, CP.value>(prob, theta, batches, batch_size, out, faults);
+    });
   });
 }
 
@@ -586,7 +705,10 @@ template <typename T>
 void evaluate(const GlmProblem<T>& prob, const T* theta, T* loss_sum, int64_t* correct,
               int64_t* count, Faults& faults) {
   dispatch_family(prob.family, [&](auto F) {
-    evaluate_family<decltype(F)::value, T>(prob, theta, loss_sum, correct, count, faults);
+    constexpr Family f = decltype(F)::value;
+    with_row_path<f, T>(prob.C, [&](auto CP) {
+      evaluate_family<f, T, CP.value>(prob, theta, loss_sum, correct, count, faults);
+    });
   });
 }
 

@@ -83,7 +83,8 @@ void kmeans_assign(const T* points, const T* centroids, int64_t N, int64_t K, in
     cnorm2[k] = norm2(centroids + k * d, d);
     cnorm[k] = std::sqrt(cnorm2[k]);
   }
-#pragma omp parallel
+  // A small call (a few points: a round's clients) is not worth waking the thread team.
+#pragma omp parallel if (N * K * d > (1 << 16))
   {
     std::vector<double> screen(2 * K);
 #pragma omp for schedule(static)

@@ -50,32 +50,42 @@ class NativeAdapter(Adapter):
     # ---- model ops (GLMs only: nets go to the nets adapter) ----------------------------------
 
     def local_steps(self, model, theta, data, rows, batches, anchor, grad_scale, steps, lr, prox):
+        # sizes by numel(): ~3x cheaper than .shape[i], and this is a small call's hot path
         x, offsets = data.x, data.offsets
+        R = theta.numel() // model.d
+        if R == 0 or steps == 0:
+            return
         self._core.local_steps(
             theta.dtype is _F64, model.code, model.p, model.C, model.fit_intercept, model.l2,
-            theta.data_ptr(), theta.shape[0], x.data_ptr(), x.shape[0], data.y.data_ptr(), offsets.data_ptr(),
-            offsets.shape[0] - 1, _ptr(rows), _ptr(batches), 0 if batches is None else batches.shape[2],
-            _ptr(anchor), anchor is not None and anchor.dim() == 1, _ptr(grad_scale), steps, lr, prox)
+            theta.data_ptr(), R, x.data_ptr(), x.numel() // model.p, data.y.data_ptr(), offsets.data_ptr(),
+            offsets.numel() - 1, 0 if rows is None else rows.data_ptr(),
+            0 if batches is None else batches.data_ptr(), 0 if batches is None else batches.numel() // (R * steps),
+            0 if anchor is None else anchor.data_ptr(), anchor is not None and anchor.dim() == 1,
+            0 if grad_scale is None else grad_scale.data_ptr(), steps, lr, prox)
 
     def gradients(self, model, theta, data, rows, batches):
         x, offsets = data.x, data.offsets
         out = torch.empty_like(theta)
+        R = theta.numel() // model.d
+        if R == 0:
+            return out
         self._core.gradients(
             theta.dtype is _F64, model.code, model.p, model.C, model.fit_intercept, model.l2,
-            theta.data_ptr(), theta.shape[0], x.data_ptr(), x.shape[0], data.y.data_ptr(), offsets.data_ptr(),
-            offsets.shape[0] - 1, _ptr(rows), _ptr(batches), 0 if batches is None else batches.shape[1],
+            theta.data_ptr(), R, x.data_ptr(), x.numel() // model.p, data.y.data_ptr(), offsets.data_ptr(),
+            offsets.numel() - 1, _ptr(rows), _ptr(batches), 0 if batches is None else batches.numel() // R,
             out.data_ptr())
         return out
 
     def evaluate(self, model, theta, data, rows):
         x, offsets = data.x, data.offsets
-        R = theta.shape[0]
+        R = theta.numel() // model.d
         loss = torch.empty(R, dtype=theta.dtype)
         counts = torch.empty(2, R, dtype=torch.int64)  # correct, count: one allocation
-        self._core.evaluate(
-            theta.dtype is _F64, model.code, model.p, model.C, model.fit_intercept, model.l2,
-            theta.data_ptr(), R, x.data_ptr(), x.shape[0], data.y.data_ptr(), offsets.data_ptr(),
-            offsets.shape[0] - 1, _ptr(rows), loss.data_ptr(), counts[0].data_ptr(), counts[1].data_ptr())
+        if R:
+            self._core.evaluate(
+                theta.dtype is _F64, model.code, model.p, model.C, model.fit_intercept, model.l2,
+                theta.data_ptr(), R, x.data_ptr(), x.numel() // model.p, data.y.data_ptr(), offsets.data_ptr(),
+                offsets.numel() - 1, _ptr(rows), loss.data_ptr(), counts.data_ptr(), counts.data_ptr() + 8 * R)
         return loss, counts[0], counts[1]
 
     # ---- the rest ---------------------------------------------------------------------------

@@ -15,7 +15,13 @@ FAMILY_CODE = {"least_squares": 0, "logistic": 1, "softmax": 2}
 
 
 class GLM:
+    """A model family and its sizes: an immutable value (the ops read ``p``, ``C``, ``d`` on every
+    call and trust them to describe the kernels' layout, so they cannot change under them)."""
+
     family: str = ""
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"{type(self).__name__} is immutable: build a new model instead of setting {name!r}")
 
     def __init__(self, p: int, C: int, *, l2: float = 0.0, fit_intercept: bool = True):
         if isinstance(p, bool) or not isinstance(p, int) or p < 1:
@@ -25,20 +31,11 @@ class GLM:
         l2 = float(l2)
         if not math.isfinite(l2) or l2 < 0:
             raise ValueError(f"l2: expected a finite number >= 0, got {l2!r}")
-        self.p, self.C, self.l2, self.fit_intercept = p, C, l2, bool(fit_intercept)
-
-    @property
-    def P(self) -> int:
-        """Rows of the parameter layout: features plus the intercept row."""
-        return self.p + int(self.fit_intercept)
-
-    @property
-    def d(self) -> int:
-        return self.P * self.C
-
-    @property
-    def code(self) -> int:
-        return FAMILY_CODE[self.family]
+        P = p + int(bool(fit_intercept))
+        self.__dict__.update(p=p, C=C, l2=l2, fit_intercept=bool(fit_intercept),
+                             P=P,        # rows of the parameter layout: features plus the intercept row
+                             d=P * C,    # parameters of one model
+                             code=FAMILY_CODE[self.family])  # the family's number in the kernels
 
     @property
     def is_classifier(self) -> bool:

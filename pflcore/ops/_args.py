@@ -13,7 +13,7 @@ from typing import Optional, Tuple
 import torch
 
 from pflcore._arrays import TORCH, Kind, to_tensor
-from pflcore._checks import byte_range, check_device, check_float, check_shape, dtype_str, overlaps, shape_str
+from pflcore._checks import check_device, check_float, check_shape, dtype_str, shape_str
 from pflcore.client_data import ClientData
 from pflcore.models.glm import GLM
 from pflcore.models.nets import TorchNet
@@ -35,28 +35,29 @@ def check_data(model, data) -> Tuple[torch.Tensor, int, int]:
     if type(data) is not ClientData and not isinstance(data, ClientData):
         raise ValueError(f"data: expected a pflcore.ClientData, got {type(data).__name__}")
     x, y, off = data.x, data.y, data.offsets
-    dt = x.dtype
-    if (dt is not _F32 and dt is not _F64) or x.dim() != 2 or not x.is_contiguous():
+    dt, xs = x.dtype, x.shape
+    if len(xs) != 2 or (dt is not _F32 and dt is not _F64) or not x.is_contiguous():
         check_float(x, "x")
         raise ValueError(f"x: expected a contiguous [N, p] array, got shape {shape_str(x)}")
-    N, p = x.shape
+    N, p = xs
     if p != model.p:
         raise ValueError(f"data: x has {p} features but the model expects p = {model.p}")
-    if model.is_classifier:
-        if y.dtype is not _I64:
-            raise ValueError(f"y: {type(model).__name__} needs int64 class labels, got {dtype_str(y.dtype)}")
-    elif y.dtype is not dt:
+    yd = y.dtype
+    if yd is not (_I64 if model.is_classifier else dt):
+        if model.is_classifier:
+            raise ValueError(f"y: {type(model).__name__} needs int64 class labels, got {dtype_str(yd)}")
         raise ValueError(f"y: {type(model).__name__} needs float targets of dtype {dtype_str(dt)}, "
-                         f"got {dtype_str(y.dtype)}")
-    if y.dim() != 1 or y.shape[0] != N or not y.is_contiguous():
+                         f"got {dtype_str(yd)}")
+    if y.dim() != 1 or y.numel() != N or not y.is_contiguous():
         raise ValueError(f"y: expected a contiguous [N] = [{N}] array, got shape {shape_str(y)}")
-    if off.dtype is not _I64 or off.dim() != 1 or off.shape[0] < 2 or not off.is_contiguous():
+    m = off.numel() - 1
+    if off.dtype is not _I64 or off.dim() != 1 or m < 1 or not off.is_contiguous():
         raise ValueError(f"offsets: expected a contiguous int64 [m + 1] array with m >= 1, "
                          f"got {dtype_str(off.dtype)} {shape_str(off)}")
     if not (x.is_cpu and y.is_cpu and off.is_cpu):
         check_device(y, "y", x.device)
         check_device(off, "offsets", x.device)
-    return x, N, off.shape[0] - 1
+    return x, N, m
 
 
 def same_device(t: torch.Tensor, x: torch.Tensor, name: str) -> None:
@@ -71,13 +72,19 @@ def theta_arg(theta, model, x: torch.Tensor, m: int, rows_given: bool, *, inplac
     """The parameters [R, d] as a tensor and how to return results. ``inplace``: the op writes
     into it, so it must be contiguous and writable; an immutable foreign array (JAX) is copied
     and a new one is returned."""
-    t, kind = to_tensor(theta, name)
+    if type(theta) is torch.Tensor:
+        t, kind = theta, TORCH
+        if not (t.is_cpu and x.is_cpu):
+            to_tensor(t, name)  # the device check
+    else:
+        t, kind = to_tensor(theta, name)
     if t.dtype is not x.dtype:
         check_float(t, name, x.dtype)
-    same_device(t, x, name)
-    d = model.d
-    if t.dim() != 2 or t.shape[1] != d or (not rows_given and t.shape[0] != m):
-        check_shape(t, name, (None if rows_given else m, d), "[R, d]" if rows_given else "[m, d]")
+    if not (t.is_cpu and x.is_cpu):
+        same_device(t, x, name)
+    ts = t.shape
+    if len(ts) != 2 or ts[1] != model.d or (not rows_given and ts[0] != m):
+        check_shape(t, name, (None if rows_given else m, model.d), "[R, d]" if rows_given else "[m, d]")
     if inplace:
         if not kind.writable:
             if kind.name == "numpy":
@@ -112,18 +119,24 @@ def rows_arg(rows, x: torch.Tensor, name: str = "rows") -> Optional[torch.Tensor
     return t if t.is_contiguous() else t.contiguous()
 
 
-def batches_arg(batches, x: torch.Tensor, shape, what: str) -> Optional[torch.Tensor]:
-    """int32 absolute row indices of ``shape`` (None = any size); at least one per batch."""
+def batches_arg(batches, x: torch.Tensor, R: int, steps: Optional[int]) -> Optional[torch.Tensor]:
+    """int32 absolute row indices [R, steps, B] (``steps`` given: local_steps) or [R, B]
+    (gradients, hvp); at least one per batch."""
     if batches is None:
         return None
-    t, _ = to_tensor(batches, "batches")
+    t = batches if type(batches) is torch.Tensor else to_tensor(batches, "batches")[0]
     if t.dtype is not _I32:
         raise ValueError(f"batches: expected dtype int32 (ops.sample_batches), got {dtype_str(t.dtype)}")
-    if t.dim() != len(shape) or any(e is not None and e != s for e, s in zip(shape, t.shape)):
-        check_shape(t, "batches", shape, what)
-    if t.shape[-1] < 1:
+    bs = t.shape
+    if steps is None:
+        if len(bs) != 2 or bs[0] != R:
+            check_shape(t, "batches", (R, None), "[R, B]")
+    elif len(bs) != 3 or bs[0] != R or bs[1] != steps:
+        check_shape(t, "batches", (R, steps, None), "[R, steps, B]")
+    if bs[-1] < 1:
         raise ValueError(f"batches: expected at least one row per batch, got shape {shape_str(t)}")
-    same_device(t, x, "batches")
+    if not (t.is_cpu and x.is_cpu):
+        same_device(t, x, "batches")
     return t if t.is_contiguous() else t.contiguous()
 
 
@@ -140,24 +153,34 @@ def vector_arg(value, name: str, like: torch.Tensor, length: int) -> Optional[to
     return t if t.is_contiguous() else t.contiguous()
 
 
-def apart_from(out: torch.Tensor, *inputs):
-    """The inputs, each copied first if it shares memory with the in-place output ``out``: the
-    op then reads the values they had when it was called, whatever order it writes in (a view
-    of the row being updated, e.g. ``anchor=theta[0]``, gave thread-dependent results)."""
-    lo, hi = byte_range(out)
-    return tuple(None if t is None else t.clone() if overlaps(t, lo, hi) else t for t in inputs)
+def apart_from(out: torch.Tensor, data: ClientData, *inputs):
+    """``(data, *inputs)``, where any array that shares memory with the in-place output ``out`` is
+    replaced by a copy: the op then reads the values it had when the op was called, whatever
+    order the kernel writes in (a view of the row being updated, e.g. ``anchor=theta[0]``, gave
+    thread-dependent results). One address comparison per array."""
+    lo = out.data_ptr()
+    hi = lo + out.nbytes
+    x, y, off = data.x, data.y, data.offsets
+    a, b, c = x.data_ptr(), y.data_ptr(), off.data_ptr()
+    if (a < hi and lo < a + x.nbytes) or (b < hi and lo < b + y.nbytes) or (c < hi and lo < c + off.nbytes):
+        copy = object.__new__(ClientData)
+        copy.__dict__.update(data.__dict__)
+        copy.x, copy.y, copy.offsets = x.clone(), y.clone(), off.clone()
+        data = copy
+    out_inputs = [data]
+    for t in inputs:
+        if t is not None:
+            a = t.data_ptr()
+            if a < hi and lo < a + t.nbytes:
+                t = t.clone()
+        out_inputs.append(t)
+    return out_inputs
 
 
-def data_apart_from(out: torch.Tensor, data: ClientData) -> ClientData:
-    """``data`` itself, or a copy of it when one of its arrays shares memory with ``out``."""
-    lo, hi = byte_range(out)
-    if not any(overlaps(t, lo, hi) for t in (data.x, data.y, data.offsets)):
-        return data
-    copy = object.__new__(ClientData)
-    copy.__dict__.update(data.__dict__)
-    copy.x, copy.y, copy.offsets = data.x.clone(), data.y.clone(), data.offsets.clone()
-    return copy
+def _overlap(t: torch.Tensor, lo: int, hi: int) -> bool:
+    a = t.data_ptr()
+    return a < hi and lo < a + t.nbytes
 
 
-__all__ = ["TORCH", "apart_from", "batches_arg", "check_data", "check_model", "data_apart_from", "rows_arg",
-           "same_device", "theta_arg", "vector_arg"]
+__all__ = ["TORCH", "apart_from", "batches_arg", "check_data", "check_model", "rows_arg", "same_device",
+           "theta_arg", "vector_arg"]

@@ -17,7 +17,7 @@ def gradients(model, theta, data, *, rows=None, batches=None):
     x, N, m = check_data(model, data)
     rows_t = rows_arg(rows, x)
     theta_t, kind = theta_arg(theta, model, x, m, rows_t is not None, inplace=False)
-    batches_t = batches_arg(batches, x, (theta_t.shape[0], None), "[R, B]")
+    batches_t = batches_arg(batches, x, theta_t.shape[0], None)
     out = backend.select("gradients", model, theta_t).gradients(model, theta_t, data, rows_t, batches_t)
     return from_tensor(out, kind)
 

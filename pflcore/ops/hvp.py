@@ -22,7 +22,7 @@ def hvp(model, theta, v, data, *, batches, rows=None):
         raise ValueError(f"v: expected shape [R, d] = [{R}, {model.d}] (the shape of theta), got {list(v_t.shape)}")
     if batches is None:
         raise ValueError("batches: expected int32 [R, B] minibatch indices (ops.sample_batches), got None")
-    batches_t = batches_arg(batches, x, (R, None), "[R, B]")
+    batches_t = batches_arg(batches, x, R, None)
     out = backend.select("hvp", model, theta_t).hvp(model, theta_t, v_t, data, rows_t, batches_t)
     return from_tensor(out, kind)
 

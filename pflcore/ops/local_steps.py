@@ -11,8 +11,8 @@ from __future__ import annotations
 from pflcore import backend
 from pflcore._arrays import TORCH, from_tensor, to_tensor
 from pflcore._checks import check_float, check_positive_int, check_real, check_shape
-from pflcore.ops._args import (apart_from, batches_arg, check_data, check_model, data_apart_from, rows_arg,
-                               same_device, theta_arg, vector_arg)
+from pflcore.ops._args import (apart_from, batches_arg, check_data, check_model, rows_arg, same_device, theta_arg,
+                               vector_arg)
 
 
 def _anchor(anchor, x, R: int, d: int):
@@ -67,10 +67,9 @@ def local_steps(model, theta, data, *, steps, lr, prox=0.0, anchor=None, batches
     theta_t, kind = theta_arg(theta, model, x, m, rows_t is not None, inplace=True)
     R, d = theta_t.shape
     anchor_t = _anchor(anchor, x, R, d)
-    batches_t = batches_arg(batches, x, (R, steps, None), "[R, steps, B]")
+    batches_t = batches_arg(batches, x, R, steps)
     scale_t = vector_arg(grad_scale, "grad_scale", x, R)
-    anchor_t, scale_t, rows_t, batches_t = apart_from(theta_t, anchor_t, scale_t, rows_t, batches_t)
-    data = data_apart_from(theta_t, data)
+    data, anchor_t, scale_t, rows_t, batches_t = apart_from(theta_t, data, anchor_t, scale_t, rows_t, batches_t)
     backend.select("local_steps", model, theta_t).local_steps(
         model, theta_t, data, rows_t, batches_t, anchor_t, scale_t, steps, lr, prox)
     if kind is TORCH or kind.writable:
