@@ -234,6 +234,35 @@ def _validate(algorithm, federation, model, rounds, clients_per_round, eval_ever
         raise ValueError(f"seed: expected an integer in [0, 2**64), got {seed!r}")
 
 
+def _device(device) -> torch.device:
+    """``device`` as a torch.device this process can use, or a ValueError."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"device: expected a torch device such as 'cpu' or 'cuda', got {device!r}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device: {device!r} asked for, but torch sees no CUDA device (torch "
+                             f"{torch.__version__}, CUDA {torch.version.cuda or 'not built'})")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device: {device!r}, but there are {torch.cuda.device_count()} CUDA device(s)")
+    elif dev.type != "cpu":
+        raise ValueError(f"device: expected 'cpu' or 'cuda' (pflcore's backends), got {device!r}")
+    return dev
+
+
+def _callbacks(callbacks) -> list:
+    try:
+        cbs = list(callbacks)
+    except TypeError:
+        raise ValueError(f"callbacks: expected an iterable of callables cb(round, row, state), "
+                         f"got {callbacks!r}") from None
+    bad = [cb for cb in cbs if not callable(cb)]
+    if bad:
+        raise ValueError(f"callbacks: expected callables cb(round, row, state), got {bad[0]!r}")
+    return cbs
+
+
 def _checkpoint_args(checkpoint, checkpoint_every, eval_every):
     """(folder or None, every): ``checkpoint_every`` defaults to ``eval_every`` rounds."""
     if checkpoint is None:
@@ -271,8 +300,11 @@ def run(algorithm: Algorithm, federation: Federation, model: GLM, *, rounds: int
     """
     _validate(algorithm, federation, model, rounds, clients_per_round, eval_every, seed)
     checkpoint, checkpoint_every = _checkpoint_args(checkpoint, checkpoint_every, eval_every)
+    device, callbacks = _device(device), _callbacks(callbacks)
+    if comm is not None and not isinstance(comm, distributed.Comm):
+        raise ValueError(f"comm: expected a pflcore.distributed.Comm (from pflcore.distributed.init()) or None, "
+                         f"got {type(comm).__name__}")
     comm = distributed.default_comm() if comm is None else comm
-    device = torch.device(device)
     if federation.is_shard:
         raise ValueError("federation: expected the whole federation (every rank passes the same one; run shards "
                          f"it), got a shard of {federation.num_clients} of {federation.num_clients_total} clients")

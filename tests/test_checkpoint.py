@@ -206,3 +206,20 @@ def test_divergence_names_a_checkpoint_only_when_one_was_written(tmp_path):
     last = 2 * ((t - 1) // 2)
     assert t > 2 and f"the last good checkpoint is round {last} in {tmp_path / 'b'}" in str(caught.value)
     assert (tmp_path / "b" / f"round_{last:07d}.pt").exists()
+
+
+def test_the_number_of_ranks_binds_a_new_run_but_not_a_resume(tmp_path):
+    """A folder written by 2 ranks (its run.json says so) refuses a fresh one-process run, whose
+    float sums would differ in rounding, but resume re-splits it onto any number of ranks."""
+    ck, full = _three_rounds(tmp_path)
+    path = ck / "run.json"
+    stored = json.loads(path.read_text())
+    stored["fingerprint"]["ranks"] = 2
+    path.write_text(json.dumps(stored))
+    alg = A.PFedMe(lam=15, lr=0.01, personal_lr=0.05, inner_steps=2, local_rounds=2, batch_size=5)
+    with pytest.raises(ValueError, match=r"ranks: 1 in this run, 2 in the folder"):
+        pflcore.run(alg, _fed(), MODEL, rounds=6, clients_per_round=4, eval_every=2, checkpoint=str(ck),
+                    progress=False)
+    resumed = pflcore.resume(str(ck), progress=False)
+    assert torch.equal(resumed.personalized, full.personalized)
+    assert json.loads(path.read_text())["fingerprint"]["ranks"] == 1, "the folder now records its last writer"
