@@ -120,7 +120,8 @@ def fingerprint(algorithm, federation, model, *, seed: int, clients_per_round, d
         "model": repr(model),
         "federation": {"name": federation.name, "clients": federation.num_clients,
                        "features": federation.num_features, "train_rows": federation.train.num_rows,
-                       "test_rows": federation.test.num_rows, "dtype": str(federation.train.dtype).replace("torch.", ""),
+                       "test_rows": federation.test.num_rows,
+                       "dtype": str(federation.train.dtype).replace("torch.", ""),
                        "sha256": federation_digest(federation)},
         "seed": seed,
         "clients_per_round": clients_per_round,
@@ -192,7 +193,8 @@ def claim(folder: str, fp: Dict[str, Any], comm: Comm, *, resuming: bool) -> Non
             problem = (f"checkpoint: {folder!r} holds checkpoint files but no {FINGERPRINT} (written by an older "
                        "pflcore?), so this run cannot be told apart from theirs; pass another folder")
     if comm.max(0.0 if problem is None else 1.0) > 0:
-        raise CheckpointError(problem or f"checkpoint: {folder!r} was refused on another rank (this is rank {comm.rank})")
+        raise CheckpointError(problem or f"checkpoint: {folder!r} was refused on another rank "
+                                         f"(this is rank {comm.rank})")
     if comm.rank == 0 and stored != fp:  # a new folder, an older one being resumed, or new ranks
         import pflcore
 

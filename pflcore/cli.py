@@ -168,6 +168,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     except KeyboardInterrupt:
         print("pflcore: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `pflcore info | head`: the reader left; say nothing more
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
     except Exception as exc:  # one line, unless --debug
         if debug:
             traceback.print_exc()

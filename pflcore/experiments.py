@@ -223,7 +223,7 @@ def _prepare(points, algos, seeds) -> Dict[Any, Any]:
             alg = build_algorithm(label, point_cfg["algorithms"][label], fed, model)
             try:
                 check_run_arguments(alg, fed, model, point_cfg["rounds"], point_cfg.get("clients_per_round"),
-                            point_cfg.get("eval_every", 1), seeds[0])
+                                    point_cfg.get("eval_every", 1), seeds[0])
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
         if i == 0:
@@ -308,7 +308,8 @@ def run_experiment(cfg: Dict[str, Any], *, only: Optional[List[str]] = None, pro
         if sweep:
             _plot_sweep(rows, sweep, metrics, os.path.join(out, "sweep.png"))
         else:
-            plot_results(curves, os.path.join(out, "curves.png"), tuple(cfg.get("plot", ("personalized_acc", "global_acc"))))
+            keys = tuple(cfg.get("plot", ("personalized_acc", "global_acc")))
+            plot_results(curves, os.path.join(out, "curves.png"), keys)
     except ImportError as exc:
         log(f"(no plot: {exc})")
     return summary
@@ -388,7 +389,8 @@ def _note(row) -> str:
         return ""
     first = div[0]
     reason = first["reason"] if len(first["reason"]) <= 70 else first["reason"].split(" (")[0][:70]
-    which = f"seed {first['seed']}" if row.get("seeds", 1) == 1 else f"{len(div)} of {row['seeds']} seeds; first: seed {first['seed']}"
+    which = (f"seed {first['seed']}" if row.get("seeds", 1) == 1
+             else f"{len(div)} of {row['seeds']} seeds; first: seed {first['seed']}")
     return f"diverged in round {first['round']} ({which}): {reason}"
 
 
@@ -414,7 +416,8 @@ def format_table(rows, metrics) -> str:
         f"  {k:>{w}}" for k, w in zip(shown, widths))
     lines = [head]
     for r, c in zip(rows, cells):
-        line = f"{r['algorithm']:<{wide}}" + (f" {str(r['sweep'] if r['sweep'] is not None else ''):>8}" if sweep else "")
+        value = str(r["sweep"] if r["sweep"] is not None else "")
+        line = f"{r['algorithm']:<{wide}}" + (f" {value:>8}" if sweep else "")
         line += "".join(f"  {v:>{w}}" for v, w in zip(c, widths))
         if _note(r):
             line += "  " + _note(r)

@@ -106,12 +106,10 @@ class Target:
     check: Optional[Callable[[Any, list, dict], Optional[str]]] = None
     examples: int = 40
     names: Sequence[str] = ()  # argument names an error may name besides fn's own parameters
-    timeout: float = 15.0  # seconds one example may take before it counts as a hang
+    timeout: float = 8.0  # seconds one example may take before it counts as a hang (the slowest takes < 1 s)
     arg_names: List[str] = field(default_factory=list)
 
     def __post_init__(self):
-        import inspect
-
         from pflcore.experiment_config import parameters
 
         try:  # a class's constructor parameters, following **kwargs into its base (the presets)

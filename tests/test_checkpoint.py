@@ -50,7 +50,8 @@ def test_a_second_run_into_the_folder_of_another_is_refused_and_the_first_resume
 @pytest.mark.parametrize("change, expected", [
     (dict(alg=A.FedAvg(lr=0.1, local_steps=2)), r"hyperparameters\.lr: 0\.1 in this run, 0\.05 in the folder"),
     (dict(alg=A.LocalTrain(lr=0.05)), r"algorithm: LocalTrain in this run, FedAvg in the folder"),
-    (dict(model=models.Softmax(5, 3, l2=0.1)), r"model: Softmax\(p=5, C=3, l2=0\.1.* in this run, Softmax\(p=5, C=3, l2=0\.0"),
+    (dict(model=models.Softmax(5, 3, l2=0.1)),
+     r"model: Softmax\(p=5, C=3, l2=0\.1.* in this run, Softmax\(p=5, C=3, l2=0\.0"),
     (dict(seed=3), r"seed: 3 in this run, 0 in the folder"),
     (dict(clients_per_round=4), r"clients_per_round: 4 in this run, None in the folder"),
 ])

@@ -241,3 +241,16 @@ def test_the_default_comparison_is_a_valid_experiment():
     cfg = experiments.load(None)
     experiments.check(cfg)
     assert set(cfg["metrics"]) >= {"acc"} and cfg["seeds"] == [0]
+
+
+def test_the_default_hyperparameters_are_the_ones_validation_chose():
+    """experiments/default_tuning.py picked them on a validation split of the training rows; the
+    default must be what it wrote (rerun it after changing the default's data or rounds)."""
+    path = os.path.join(os.path.dirname(__file__), "..", "experiments", "results", "default_tuning.json")
+    with open(path) as fh:
+        tuning = json.load(fh)
+    cfg = experiments.load(None)
+    assert tuning["data"] == cfg["data"] and tuning["rounds"] == cfg["rounds"]
+    assert tuning["clients_per_round"] == cfg["clients_per_round"]
+    for label, spec in cfg["algorithms"].items():
+        assert tuning["chosen"][label] == spec, label
