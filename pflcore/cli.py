@@ -3,14 +3,38 @@
 
 ``torchrun --nproc-per-node N -m pflcore run EXPERIMENT.toml`` runs the experiment with the
 clients sharded over N ranks (``pflcore.distributed``): the same numbers, rank 0 prints and
-writes."""
+writes.
+
+Errors are one line on stderr, ``pflcore: error: ...``, with exit status 2 for a usage or
+configuration error (a bad option, a missing or malformed file, an unknown key, a value of the
+wrong type or out of range: any ``ValueError``) and 1 for a run that failed (anything else);
+``--debug`` (anywhere on the line, or ``PFLCORE_DEBUG=1``) prints the traceback too.
+
+A subcommand is one function that adds its parser to ``sub`` (see ``COMMANDS``); its handler
+takes the parsed arguments and returns the exit status.
+"""
 from __future__ import annotations
 
 import argparse
 import os
 import platform
 import sys
-from typing import List, Optional
+import traceback
+from typing import Callable, List, Optional
+
+USAGE_ERROR, RUN_FAILED = 2, 1
+
+
+class UsageError(ValueError):
+    """A command line argparse rejects."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises instead of printing its usage and exiting, so that ``main`` reports
+    every error the same way."""
+
+    def error(self, message):
+        raise UsageError(f"{message} (see '{self.prog} --help')")
 
 
 def _info(_args) -> int:
@@ -45,8 +69,21 @@ def _info(_args) -> int:
 def _run(args) -> int:
     from pflcore import distributed, experiments
 
+    # The configuration is read and checked before any process group exists: a bad file fails
+    # at once on every rank, with no rank left waiting in a collective.
+    if args.experiment and "=" in args.experiment and not args.experiment.endswith(".toml"):
+        args.overrides.insert(0, args.experiment)  # `pflcore run rounds=10`: no file, an override
+        args.experiment = None
+    cfg = experiments.apply_overrides(experiments.load(args.experiment), args.overrides)
+    try:
+        experiments.check(cfg)
+    except experiments.ConfigError as exc:
+        culprit = next((o for o in args.overrides if exc.key and o.split("=", 1)[0].strip() == exc.key), None)
+        if culprit is None:
+            raise
+        raise experiments.ConfigError(f"{exc} (in the override {culprit!r})", key=exc.key) from None
     comm = distributed.init()  # a torch.distributed group under torchrun, else one process
-    code = _run_experiment(args, experiments, comm)
+    code = _run_experiment(args, cfg, experiments, comm)
     # Only after success: a rank that failed mid-round must not enter a barrier its peers (still
     # inside another collective) would mistake for theirs; its exit drops their connections.
     if comm.world > 1:
@@ -54,43 +91,97 @@ def _run(args) -> int:
     return code
 
 
-def _run_experiment(args, experiments, comm) -> int:
+def _run_experiment(args, cfg, experiments, comm) -> int:
     say = print if comm.rank == 0 else (lambda *a, **k: None)
-    if args.experiment and "=" in args.experiment and not args.experiment.endswith(".toml"):
-        args.overrides.insert(0, args.experiment)  # `pflcore run rounds=10`: no file, an override
-        args.experiment = None
-    cfg = experiments.apply_overrides(experiments.load(args.experiment), args.overrides)
     ranks = f", clients sharded over {comm.world} ranks ({comm.backend})" if comm.world > 1 else ""
-    say(f"pflcore run: {cfg.get('name', args.experiment)} — {len(args.algo) if args.algo else len(cfg.get('algorithms', {}))} algorithm(s), "
+    n_algos = len(args.algo) if args.algo else len(cfg.get("algorithms", {}))
+    say(f"pflcore run: {cfg.get('name', args.experiment)} — {n_algos} algorithm(s), "
         f"{cfg.get('rounds')} rounds, seeds {cfg.get('seeds', [0])}{ranks}")
     summary = experiments.run_experiment(cfg, only=args.algo, progress=not args.no_progress, out=args.out, log=say)
     metrics = cfg.get("metrics", ["personalized_acc", "global_acc", "stat_error_local", "stat_error_global"])
     say()
     say(experiments.format_table(summary["rows"], metrics))
+    sentence = experiments.takeaway(summary)
+    if sentence:
+        say("\n" + sentence)
     out = args.out or cfg.get("out") or "pflcore_results"
-    say(f"\nwrote {out}/summary.json, per-run JSON and a PNG ({summary['seconds']:.0f} s)")
+    plot = "sweep.png" if cfg.get("sweep") else "curves.png"
+    say(f"\nwrote {out}/summary.json, one JSON per run and {out}/{plot} ({summary['seconds']:.0f} s)")
+    runs = [r for r in summary["rows"]]
+    if runs and all(len(r.get("diverged") or []) == r.get("seeds", 1) for r in runs):
+        print("pflcore: error: every run diverged (see the table)", file=sys.stderr)
+        return RUN_FAILED
     return 0
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="pflcore", description="Fast personalized federated learning core")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p_info = sub.add_parser("info", help="version, and which backends load (and why not)")
-    p_info.set_defaults(func=_info)
-    p_run = sub.add_parser("run", help="run an experiment (TOML) or, with no file, the default comparison")
-    p_run.add_argument("experiment", nargs="?", help="experiment TOML file (default: the built-in comparison)")
-    p_run.add_argument("overrides", nargs="*", help="key=value overrides, dotted keys (e.g. rounds=50)")
-    p_run.add_argument("--algo", action="append", help="run only this algorithm (repeatable)")
-    p_run.add_argument("--out", help="output folder (default: the experiment's `out`)")
-    p_run.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p_run.set_defaults(func=_run)
+def _add_info(sub) -> None:
+    p = sub.add_parser("info", help="version, and which backends load (and why not)")
+    p.set_defaults(func=_info)
+
+
+def _add_run(sub) -> None:
+    p = sub.add_parser("run", help="run an experiment (TOML) or, with no file, the default comparison")
+    p.add_argument("experiment", nargs="?", help="experiment TOML file (default: the built-in comparison)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, dotted keys (e.g. rounds=50)")
+    p.add_argument("--algo", action="append", help="run only this algorithm (repeatable)")
+    p.add_argument("--out", help="output folder (default: the experiment's `out`)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=_run, accepts_overrides=True)
+
+
+# Subcommands, in the order `pflcore --help` lists them: each adds its parser to `sub`.
+COMMANDS: List[Callable] = [_add_run, _add_info]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="pflcore", description="Fast personalized federated learning core")
+    parser.add_argument("--debug", action="store_true", help="print the traceback of an error")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for add in COMMANDS:
+        add(sub)
+    return parser
+
+
+def _parse(parser: argparse.ArgumentParser, argv: List[str]) -> argparse.Namespace:
     # Overrides may follow options (`pflcore run exp.toml --algo pFedMe rounds=10`).
     args, extra = parser.parse_known_args(argv)
     if extra:
-        if args.command != "run" or any("=" not in tok or tok.startswith("-") for tok in extra):
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        if not getattr(args, "accepts_overrides", False) or any("=" not in t or t.startswith("-") for t in extra):
+            raise UsageError(f"unrecognized arguments: {' '.join(extra)} (see 'pflcore {args.command} --help')")
         args.overrides = list(args.overrides) + extra
-    return args.func(args)
+    return args
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get("PFLCORE_DEBUG", "") not in ("", "0")
+    argv = [a for a in argv if a != "--debug"]  # accepted anywhere on the line
+    try:
+        parser = build_parser()
+        if not argv:
+            parser.print_help(sys.stderr)
+            return USAGE_ERROR
+        args = _parse(parser, argv)
+        return args.func(args)
+    except SystemExit as exc:  # --help, or a library calling sys.exit
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else RUN_FAILED)
+    except KeyboardInterrupt:
+        print("pflcore: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `pflcore info | head`: the reader left; say nothing more
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+    except Exception as exc:  # one line, unless --debug
+        if debug:
+            traceback.print_exc()
+        code = USAGE_ERROR if isinstance(exc, ValueError) else RUN_FAILED
+        text = " ".join(str(exc).split()) or type(exc).__name__  # one line, whatever the message
+        if code == RUN_FAILED and not isinstance(exc, RuntimeError):
+            text = f"{type(exc).__name__}: {text}"
+        hint = " (--debug shows the traceback)" if code == RUN_FAILED and not debug else ""
+        print(f"pflcore: error: {text}{hint}", file=sys.stderr)
+        return code
 
 
 if __name__ == "__main__":  # pragma: no cover

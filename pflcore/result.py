@@ -8,6 +8,17 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+def metric(row: Dict[str, Any], key: str):
+    """``row[key]``; ``"acc"`` is the test accuracy of the model each client uses: its
+    personalized model's, or the global model's for algorithms without personalized models."""
+    if key == "acc":
+        return row.get("personalized_acc") if row.get("personalized_acc") is not None else row.get("global_acc")
+    return row.get(key)
+
+
+LABELS = {"acc": "test accuracy of the model each client uses"}
+
+
 # Columns of Result.table(), in order, with their formats.
 _TABLE = [("round", "{:d}"), ("personalized_acc", "{:.4f}"), ("global_acc", "{:.4f}"), ("train_loss", "{:.4g}"),
           ("stat_error_local", "{:.4g}"), ("stat_error_global", "{:.4g}"), ("optimality_gap", "{:.3g}"),
@@ -26,16 +37,21 @@ class Result:
     # Sharded runs: the clients [lo, hi) whose rows ``personalized`` and ``state`` hold on this
     # rank (None or (0, m): all of them).
     clients: Optional[Tuple[int, int]] = None
+    # A run that stopped on NaN/inf: {"round": t, "reason": ...} (history: the rows before it).
+    diverged: Optional[Dict[str, Any]] = None
 
     def final(self, key: str, default=None):
-        """The last recorded value of a metric."""
+        """The last recorded value of a metric (``"acc"``: see ``metric``)."""
         for row in reversed(self.history):
-            if row.get(key) is not None:
-                return row[key]
+            if metric(row, key) is not None:
+                return metric(row, key)
         return default
 
     def to_dict(self) -> Dict[str, Any]:
-        return {"algorithm": self.algorithm, "config": self.config, "history": self.history}
+        out = {"algorithm": self.algorithm, "config": self.config, "history": self.history}
+        if self.diverged is not None:
+            out["diverged"] = self.diverged
+        return out
 
     def to_json(self, path: Optional[str] = None) -> str:
         """The history and configuration as JSON (NaN written as null); also to ``path``."""
@@ -82,7 +98,7 @@ def pyplot():
 
 def finish_axes(ax, xlabel: str, ylabel: str, log_y: bool) -> None:
     ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel.replace("_", " "))
+    ax.set_ylabel(LABELS.get(ylabel, ylabel.replace("_", " ")))
     if log_y:
         ax.set_yscale("log")
     ax.grid(alpha=0.3)
@@ -103,9 +119,9 @@ def plot_results(results: Dict[str, "Result"], path: str, keys=("personalized_ac
     colors = {label: f"C{i % 10}" for i, label in enumerate(results)}  # one color per run in every panel
     for ax, key in zip(axes[0], keys):
         for label, res in results.items():
-            pts = [(r["round"], r[key]) for r in res.history if r.get(key) is not None]
+            pts = [(r["round"], metric(r, key)) for r in res.history if metric(r, key) is not None]
             if pts:
-                ax.plot(*zip(*pts), label=label, color=colors[label],
+                ax.plot(*zip(*pts), label=label + (" (diverged)" if res.diverged else ""), color=colors[label],
                         linestyle="--" if "+Anderson" in res.algorithm or "+AA" in label else "-")
         finish_axes(ax, "round", key, key in ("optimality_gap", "residual") or key.startswith("stat_error"))
     return save_figure(fig, path)

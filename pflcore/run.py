@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Callable, Iterable, Optional
+import warnings
+from typing import Callable, Iterable, List, Optional
 
 import torch
 
@@ -25,7 +26,25 @@ from pflcore.result import Result
 
 
 class DivergenceError(RuntimeError):
-    """Parameters became NaN or infinite."""
+    """Parameters became NaN or infinite. ``algorithm``, ``round`` and ``reason`` say which, when
+    and what; ``history`` holds the metrics recorded before it; ``all_ranks`` is False only when
+    one rank of a sharded run found it alone (an op's check inside a round), so that its peers
+    are still inside the round and the run cannot go on."""
+
+    def __init__(self, message: str, *, algorithm: str = "", round: int = 0, reason: str = "",
+                 all_ranks: bool = True, history: Optional[List[dict]] = None):
+        super().__init__(message)
+        self.algorithm, self.round, self.reason = algorithm, round, reason
+        self.all_ranks, self.history = all_ranks, history
+
+    def __reduce__(self):  # picklable with its attributes (e.g. out of a worker process)
+        return (_rebuild_divergence, (self.args[0] if self.args else "", dict(vars(self))))
+
+
+def _rebuild_divergence(message, attrs):
+    err = DivergenceError(message)
+    err.__dict__.update(attrs)
+    return err
 
 
 def global_optimum(fed: Federation, model: GLM):
@@ -87,6 +106,42 @@ def _mean_sq_error(models: torch.Tensor, truth: torch.Tensor, ctx: Context) -> f
     return float(err.mean()) if not ctx.sharded else ctx.sum(float(err.double().sum())) / ctx.num_clients
 
 
+def _weights_part(model, d: int) -> Optional[slice]:
+    """The slice of a GLM parameter row that holds its feature weights (the intercept row, last
+    in the ``[P, C]`` layout, dropped) when that is ``d`` long, else None."""
+    if isinstance(model, GLM) and model.p * model.C == d:
+        return slice(0, d)
+    return None
+
+
+def truth_layout(model, truth_d: int) -> Optional[tuple]:
+    """How a model's parameter rows compare with true models of length ``truth_d``: a pair of
+    slices (of the model's row, of the truth's row), or None when they cannot be compared. The
+    same layout compares whole; a GLM whose intercept the truth lacks (or the reverse: e.g.
+    ``Logistic(p)``, intercept on by default, on ``data.logistic_truth``, whose truth has none)
+    compares the feature weights only."""
+    whole = slice(None)
+    if truth_d == model.d:
+        return whole, whole
+    if isinstance(model, GLM):
+        if model.fit_intercept and _weights_part(model, truth_d) is not None:
+            return slice(0, truth_d), whole  # the model's extra intercept row is left out
+        if not model.fit_intercept and truth_d == (model.p + 1) * model.C:
+            return whole, slice(0, model.d)  # the truth's intercept row is left out
+    return None
+
+
+def _truth_warning(fed: Federation, model) -> Optional[str]:
+    """Why stat_error_* cannot be recorded for this model, or None."""
+    for name, truth in (("truth", fed.truth), ("truth_global", fed.truth_global)):
+        if truth is not None and truth_layout(model, truth.shape[-1]) is None:
+            layout = fed.meta.get("model", "an unnamed layout") if isinstance(fed.meta, dict) else "an unnamed layout"
+            return (f"stat_error_local and stat_error_global are not recorded: the federation's true models "
+                    f"({name}, d = {truth.shape[-1]}, layout of {layout}) and {model!r} (d = {model.d}) have "
+                    "different parameters")
+    return None
+
+
 def evaluate_round(algorithm: Algorithm, state, ctx: Context, t: int) -> dict:
     """The metrics of DESIGN.md §5 for the current state (over every rank's clients)."""
     row = {"round": t}
@@ -101,8 +156,8 @@ def evaluate_round(algorithm: Algorithm, state, ctx: Context, t: int) -> dict:
                    personalized_acc_p10=st["acc_p10"], personalized_loss=_ratio(loss, count, ctx))
         tl, _, tc = ops.evaluate(model, personal.contiguous(), ctx.train)
         row["train_loss"] = _ratio(tl, tc, ctx)
-        if fed.truth is not None and fed.truth.shape == personal.shape:
-            row["stat_error_local"] = _mean_sq_error(personal, fed.truth, ctx)
+        if fed.truth is not None and (lay := truth_layout(model, fed.truth.shape[1])) is not None:
+            row["stat_error_local"] = _mean_sq_error(personal[:, lay[0]], fed.truth[:, lay[1]], ctx)
     if w is not None:
         W = w.expand(m, model.d).contiguous()
         loss, correct, count = ops.evaluate(model, W, ctx.test)
@@ -112,10 +167,10 @@ def evaluate_round(algorithm: Algorithm, state, ctx: Context, t: int) -> dict:
         if personal is None:
             tl, _, tc = ops.evaluate(model, W, ctx.train)
             row["train_loss"] = _ratio(tl, tc, ctx)
-            if fed.truth is not None and fed.truth.shape == W.shape:  # every client uses w
-                row["stat_error_local"] = _mean_sq_error(W, fed.truth, ctx)
-        if fed.truth_global is not None and fed.truth_global.shape == w.shape:
-            row["stat_error_global"] = float(((w - fed.truth_global.to(w)) ** 2).sum())
+            if fed.truth is not None and (lay := truth_layout(model, fed.truth.shape[1])) is not None:
+                row["stat_error_local"] = _mean_sq_error(W[:, lay[0]], fed.truth[:, lay[1]], ctx)  # all use w
+        if fed.truth_global is not None and (lay := truth_layout(model, fed.truth_global.shape[0])) is not None:
+            row["stat_error_global"] = float(((w[lay[0]] - fed.truth_global[lay[1]].to(w)) ** 2).sum())
     if w is not None and ctx.f_star is not None:
         W = w.expand(m, model.d).contiguous()
         tl, _, tc = ops.evaluate(model, W, ctx.train)
@@ -131,27 +186,30 @@ def evaluate_round(algorithm: Algorithm, state, ctx: Context, t: int) -> dict:
     return row
 
 
-def _diverged(algorithm: Algorithm, t: int, what: str, checkpoint: Optional[str]) -> DivergenceError:
-    where = f"; the last good checkpoint is in {checkpoint}" if checkpoint else ""
+def _diverged(algorithm: Algorithm, t: int, what: str, saved: Optional[str], all_ranks: bool = True) -> DivergenceError:
+    """``saved``: where the last checkpoint of this run was written ("round T in DIR"), if any."""
+    where = f"; the last good checkpoint is {saved}" if saved else ""
     return DivergenceError(f"{algorithm.name} diverged in round {t}: {what}{where}. "
-                           f"Try smaller step sizes ({algorithm!r}).")
+                           f"Try smaller step sizes ({algorithm!r}).", algorithm=algorithm.name, round=t,
+                           reason=what, all_ranks=all_ranks)
 
 
-def _round(algorithm: Algorithm, state, ctx: Context, t: int, checkpoint: Optional[str]):
+def _round(algorithm: Algorithm, state, ctx: Context, t: int, saved: Optional[str]):
     """One round; NaN/inf appearing inside it (an op's finiteness check) or in the new state is
     reported as a divergence of this round (on every rank, when any rank's state has it)."""
     try:
         state = algorithm.round(state, ctx, t)
     except NonFiniteError as exc:
-        raise _diverged(algorithm, t, f"an intermediate result has NaN/inf values ({exc})", checkpoint) from exc
+        raise _diverged(algorithm, t, f"an intermediate result has NaN/inf values ({exc})", saved,
+                        all_ranks=not ctx.sharded) from exc
     bad = next((name for name, tensor in state_tensors(state) if not bool(torch.isfinite(tensor).all())), None)
     if ctx.comm.max(0.0 if bad is None else 1.0) > 0:
         where = f"state.{bad}" if bad is not None else f"the state of another rank (this is rank {ctx.comm.rank})"
-        raise _diverged(algorithm, t, f"{where} has NaN/inf values", checkpoint)
+        raise _diverged(algorithm, t, f"{where} has NaN/inf values", saved)
     return state
 
 
-def _validate(algorithm, federation, model, rounds, clients_per_round, eval_every):
+def _validate(algorithm, federation, model, rounds, clients_per_round, eval_every, seed):
     if not isinstance(algorithm, Algorithm):
         raise ValueError(f"algorithm: expected a pflcore.algorithms algorithm, got {type(algorithm).__name__}")
     if not isinstance(federation, Federation):
@@ -168,6 +226,54 @@ def _validate(algorithm, federation, model, rounds, clients_per_round, eval_ever
         raise ValueError(f"clients_per_round: expected an integer in [1, m = {m}] or None, got {clients_per_round!r}")
     if isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 1:
         raise ValueError(f"eval_every: expected an integer >= 1, got {eval_every!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 64:
+        raise ValueError(f"seed: expected an integer in [0, 2**64), got {seed!r}")
+
+
+def _device(device) -> torch.device:
+    """``device`` as a torch.device this process can use, or a ValueError."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"device: expected a torch device such as 'cpu' or 'cuda', got {device!r}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device: {device!r} asked for, but torch sees no CUDA device (torch "
+                             f"{torch.__version__}, CUDA {torch.version.cuda or 'not built'})")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device: {device!r}, but there are {torch.cuda.device_count()} CUDA device(s)")
+    elif dev.type != "cpu":
+        raise ValueError(f"device: expected 'cpu' or 'cuda' (pflcore's backends), got {device!r}")
+    return dev
+
+
+def _callbacks(callbacks) -> list:
+    try:
+        cbs = list(callbacks)
+    except TypeError:
+        raise ValueError(f"callbacks: expected an iterable of callables cb(round, row, state), "
+                         f"got {callbacks!r}") from None
+    bad = [cb for cb in cbs if not callable(cb)]
+    if bad:
+        raise ValueError(f"callbacks: expected callables cb(round, row, state), got {bad[0]!r}")
+    return cbs
+
+
+def _checkpoint_args(checkpoint, checkpoint_every, eval_every):
+    """(folder or None, every): ``checkpoint_every`` defaults to ``eval_every`` rounds."""
+    if checkpoint is None:
+        if checkpoint_every is not None:
+            raise ValueError(f"checkpoint_every: given ({checkpoint_every!r}) without checkpoint= (a folder to "
+                             "write to)")
+        return None, None
+    if not isinstance(checkpoint, (str, os.PathLike)) or not os.fspath(checkpoint):
+        raise ValueError(f"checkpoint: expected a folder path (str or os.PathLike), got {checkpoint!r}")
+    if checkpoint_every is None:
+        checkpoint_every = eval_every
+    if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 1:
+        raise ValueError(f"checkpoint_every: expected an integer >= 1 (rounds between checkpoints), "
+                         f"got {checkpoint_every!r}")
+    return os.fspath(checkpoint), checkpoint_every
 
 
 def run(algorithm: Algorithm, federation: Federation, model: GLM, *, rounds: int, clients_per_round: Optional[int] = None,
@@ -177,16 +283,24 @@ def run(algorithm: Algorithm, federation: Federation, model: GLM, *, rounds: int
     """Run ``rounds`` rounds of ``algorithm`` on ``federation`` and record metrics every
     ``eval_every`` rounds (and after the last). ``checkpoint`` (a folder) with
     ``checkpoint_every`` saves the state so that ``resume(folder)`` continues bitwise
-    identically. ``callbacks`` are called as ``cb(round, metrics_row, state)``.
+    identically (every ``eval_every`` rounds by default, and after the last round). A checkpoint
+    folder belongs to one run: a run into a folder that holds another run's checkpoints (other
+    algorithm, hyperparameters, model, data, seed, clients per round, device or number of ranks)
+    raises ``ValueError`` naming what differs. ``callbacks`` are called as
+    ``cb(round, metrics_row, state)``.
 
     ``comm`` (default: the initialized torch.distributed group if it has several ranks, else
     one process) shards the clients over the ranks: every rank passes the same whole
     federation and gets the same history; ``Result.personalized`` and ``Result.state`` hold
     this rank's clients (``Result.clients``), ``pflcore.distributed.gather_rows`` collects them.
     """
-    _validate(algorithm, federation, model, rounds, clients_per_round, eval_every)
+    _validate(algorithm, federation, model, rounds, clients_per_round, eval_every, seed)
+    checkpoint, checkpoint_every = _checkpoint_args(checkpoint, checkpoint_every, eval_every)
+    device, callbacks = _device(device), _callbacks(callbacks)
+    if comm is not None and not isinstance(comm, distributed.Comm):
+        raise ValueError(f"comm: expected a pflcore.distributed.Comm (from pflcore.distributed.init()) or None, "
+                         f"got {type(comm).__name__}")
     comm = distributed.default_comm() if comm is None else comm
-    device = torch.device(device)
     if federation.is_shard:
         raise ValueError("federation: expected the whole federation (every rank passes the same one; run shards "
                          f"it), got a shard of {federation.num_clients} of {federation.num_clients_total} clients")
@@ -211,6 +325,13 @@ def run(algorithm: Algorithm, federation: Federation, model: GLM, *, rounds: int
         fed = fed if fed.train.device == device else fed.to(device)
     else:
         lo, hi, ranges, fed = 0, m, [(0, m)], whole
+    if checkpoint is not None:  # before any work: a folder of another run is refused at once
+        fp = ckpt.fingerprint(algorithm, federation, model, seed=seed, clients_per_round=clients_per_round,
+                              device=device, ranks=comm.world)
+        ckpt.claim(checkpoint, fp, comm, resuming=_resume is not None)
+    why_no_truth = _truth_warning(federation, model)
+    if why_no_truth and comm.rank == 0:
+        warnings.warn(why_no_truth, RuntimeWarning, stacklevel=2)
     ctx = Context(fed, model, device, seed, clients_per_round, comm=comm)
     if optimum is not None:
         ctx.f_star = optimum[0]
@@ -219,6 +340,7 @@ def run(algorithm: Algorithm, federation: Federation, model: GLM, *, rounds: int
         history.append({**evaluate_round(algorithm, state, ctx, 0), "seconds": 0.0, "client_steps_per_s": None})
     else:
         state, history, start = _resume["state"], _resume["history"], _resume["round"]
+    saved = f"round {start} in {checkpoint}" if _resume is not None else None  # the last checkpoint written
     bar = None
     if progress and comm.rank == 0:
         try:
@@ -229,7 +351,13 @@ def run(algorithm: Algorithm, federation: Federation, model: GLM, *, rounds: int
     elapsed, steps0, bytes0 = 0.0, ctx.client_steps, comm.bytes_sent
     for t in range(start + 1, rounds + 1):
         t0 = time.perf_counter()
-        state = _round(algorithm, state, ctx, t, checkpoint)
+        try:
+            state = _round(algorithm, state, ctx, t, saved)
+        except DivergenceError as exc:
+            exc.history = list(history)
+            if bar is not None:
+                bar.close()
+            raise
         elapsed += time.perf_counter() - t0
         if t % eval_every == 0 or t == rounds:
             sent = comm.bytes_sent - bytes0  # the rounds' traffic only, not the metrics'
@@ -248,8 +376,9 @@ def run(algorithm: Algorithm, federation: Federation, model: GLM, *, rounds: int
                 acc = row.get("personalized_acc", row.get("global_acc"))
                 bar.set_postfix_str(("acc %.4f " % acc if acc is not None else "")
                                     + "steps/s %.3g" % (row["client_steps_per_s"] or 0))
-        if checkpoint and checkpoint_every and (t % checkpoint_every == 0 or t == rounds):
+        if checkpoint is not None and (t % checkpoint_every == 0 or t == rounds):
             ckpt.save(checkpoint, t, algorithm, state, history, config, federation, model, comm, (lo, hi), ranges)
+            saved = f"round {t} in {checkpoint}"
         if bar is not None:
             bar.update(1)
     if bar is not None:
@@ -264,12 +393,17 @@ def resume(checkpoint: str, *, rounds: Optional[int] = None, progress: bool = Tr
     """Continue the run saved in ``checkpoint`` from its latest complete round (to ``rounds`` in
     total, default the original number), on this process or on the ranks of ``comm`` (default
     as in ``run``) whatever the number of ranks that wrote it. The result equals the
-    uninterrupted run's bitwise (but the timing columns) when the number of ranks is the same."""
+    uninterrupted run's bitwise (but the timing columns) when the number of ranks is the same.
+    A round file that cannot be read (e.g. cut short by a full disk) is skipped with a warning
+    naming it, and the run continues from the newest intact round."""
+    if not isinstance(checkpoint, (str, os.PathLike)):
+        raise ValueError(f"checkpoint: expected a folder path (str or os.PathLike), got {checkpoint!r}")
+    checkpoint = os.fspath(checkpoint)
     comm = distributed.default_comm() if comm is None else comm
-    base = torch.load(os.path.join(checkpoint, "federation.pt"), weights_only=False)
+    base = ckpt.load_federation(checkpoint)
     m = base["federation"].num_clients
     lo, hi = distributed.shard_range(m, comm.world, comm.rank) if comm.world > 1 else (0, m)
-    saved = ckpt.load(checkpoint, lo, hi)
+    saved = ckpt.load(checkpoint, lo, hi, comm)
     cfg = saved["config"]
     return run(saved["algorithm"], base["federation"], base["model"], rounds=rounds or cfg["rounds"],
                clients_per_round=cfg["clients_per_round"], seed=cfg["seed"], eval_every=cfg["eval_every"],
@@ -277,4 +411,4 @@ def resume(checkpoint: str, *, rounds: Optional[int] = None, progress: bool = Tr
                callbacks=callbacks, comm=comm, _resume=saved)
 
 
-__all__ = ["run", "resume", "DivergenceError", "evaluate_round"]
+__all__ = ["run", "resume", "DivergenceError", "evaluate_round", "truth_layout"]

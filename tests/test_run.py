@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import pflcore
@@ -78,3 +79,55 @@ def test_same_seed_same_history_with_one_and_two_threads():
         assert out.returncode == 0, out.stderr
         digests.append(out.stdout.strip())
     assert digests[0] == digests[1] and len(digests[0]) == 64
+
+
+def test_stat_error_compares_the_weights_when_only_the_intercept_differs():
+    """Logistic(10) has an intercept (on by default); logistic_truth's true models have none.
+    The metric used to vanish from the history; it is the error of the feature weights."""
+    fed = data.logistic_truth(num_clients=5, samples_per_client=40, dim=10, seed=1)
+    res = pflcore.run(A.LocalTrain(lr=0.5, steps=5), fed, models.Logistic(10), rounds=2, progress=False)
+    theta = res.personalized[:, :10]  # [p + 1, 1] row-major: the intercept is the last entry
+    want = float(((theta - fed.truth) ** 2).sum(1).mean())
+    assert res.final("stat_error_local") == pytest.approx(want, rel=1e-6)
+    # FedAvg: the global model against truth_global, the same way
+    res = pflcore.run(A.FedAvg(lr=0.5), fed, models.Logistic(10), rounds=2, progress=False)
+    assert res.final("stat_error_global") == pytest.approx(
+        float(((res.global_model[:10] - fed.truth_global) ** 2).sum()), rel=1e-6)
+    # the reverse: a truth with an intercept row (synthetic) and a model without one
+    syn = data.synthetic(0.5, 0.5, num_clients=4, dim=5, num_classes=3, size_scale=1, max_size=40)
+    res = pflcore.run(A.LocalTrain(lr=0.1), syn, models.Softmax(5, 3, fit_intercept=False), rounds=1, progress=False)
+    want = float(((res.personalized - syn.truth[:, :15]) ** 2).sum(1).mean())
+    assert res.final("stat_error_local") == pytest.approx(want, rel=1e-6)
+
+
+def test_a_model_that_cannot_be_compared_with_the_truth_warns_once():
+    fed = data.logistic_truth(num_clients=3, samples_per_client=20, dim=4, seed=0)
+    with pytest.warns(RuntimeWarning, match=r"stat_error_local and stat_error_global are not recorded: .*"
+                                            r"d = 4.*MLP\(p=4.*\(d = 23\)") as caught:
+        res = pflcore.run(A.LocalTrain(lr=0.1), fed, models.MLP(4, 3, 2), rounds=3, progress=False)
+    assert len([w for w in caught if "stat_error" in str(w.message)]) == 1
+    assert res.final("stat_error_local") is None
+
+
+def test_nan_in_true_models_is_rejected():
+    fed = data.logistic_truth(num_clients=3, samples_per_client=10, dim=4)
+    for name in ("truth", "truth_global"):
+        bad = getattr(fed, name).clone()
+        bad.view(-1)[1] = float("nan")
+        kw = {"truth": fed.truth, "truth_global": fed.truth_global, name: bad}
+        with pytest.raises(ValueError, match=rf"{name}: contains 1 NaN"):
+            pflcore.Federation(fed.train, fed.test, 2, **kw)
+
+
+@pytest.mark.parametrize("seed", [-1, 2 ** 64, 2 ** 70, 1.0, True, "0"])
+def test_run_seed_must_be_a_64_bit_unsigned_integer(seed):
+    fed, model = _small()
+    with pytest.raises(ValueError, match=r"seed: expected an integer in \[0, 2\*\*64\)"):
+        pflcore.run(A.FedAvg(lr=0.1), fed, model, rounds=1, seed=seed, progress=False)
+
+
+@pytest.mark.filterwarnings("ignore:stat_error_local and stat_error_global are not recorded")
+def test_the_largest_seed_runs_with_a_net():
+    fed, _ = _small()
+    res = pflcore.run(A.FedAvg(lr=0.1), fed, models.MLP(9, 4, 4), rounds=1, seed=2 ** 64 - 1, progress=False)
+    assert res.history[-1]["round"] == 1

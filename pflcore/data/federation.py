@@ -73,6 +73,7 @@ class Federation:
                     raise ValueError(f"truth: expected shape [m, d] with m = {m}, got {list(t.shape)}")
                 if name == "truth_global" and t.dim() != 1:
                     raise ValueError(f"truth_global: expected shape [d], got {list(t.shape)}")
+                check_finite(t, name)  # a NaN true model would make every stat_error NaN, silently
                 setattr(self, name, t)
 
     @property
