@@ -104,10 +104,9 @@ class CGPFL(Algorithm):
             if self.batch_size is not None:  # one minibatch per local round, reused by its S steps
                 batch = ctx.batches(t, r, clients, 1, self.batch_size)
                 batches = batch.expand(S, self.inner_steps, self.batch_size).contiguous()
-            ops.local_steps(ctx.model, theta, ctx.train, steps=self.inner_steps, lr=self.lr, prox=self.lam,
+            ctx.local_steps(theta, steps=self.inner_steps, lr=self.lr, prox=self.lam,
                             anchor=omega, rows=clients, batches=batches)
             omega -= self.beta * self.lam * (omega - theta)
-        ctx.count(S * self.local_rounds * self.inner_steps)
         return theta, omega
 
     def _seeded_kmeans(self, ctx: Context, points: torch.Tensor, k: int, weights: torch.Tensor,
