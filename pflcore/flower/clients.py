@@ -15,12 +15,14 @@ that honours the keys the strategies of ``pflcore.flower`` send:
   parameters (``ops.gradients``), as an ArrayRecord of the received layout, and ``num-examples``.
 
 The parameters travel as one array (a pflcore model is one vector ``[d]``) under the key the
-server used. ``federation`` may be a zero-argument callable that builds it: the simulation
-engine then builds it once in each worker process instead of shipping the data to them.
+server used. ``federation`` may be a zero-argument callable that builds it, e.g.
+``functools.partial(pflcore.data.least_squares, 25, 5000, seed=0)``: the simulation engine then
+builds it once in each worker process instead of shipping the data with every message.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Union
+import pickle
+from typing import Callable, Dict, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -41,93 +43,125 @@ def _positive(value, name: str, integer: bool = False):
     return value
 
 
+_BUILT: Dict[bytes, Federation] = {}  # federations built in this process, by their pickled recipe
+
+
+def _build(recipe: Callable[[], Federation]) -> Federation:
+    """``recipe()``, once per process for a recipe that pickles (a ``functools.partial`` of a
+    module-level function): the simulation engine unpickles the ClientApp for every message, so
+    the federation would otherwise be built again for each one."""
+    try:
+        key = pickle.dumps(recipe)
+    except Exception:  # noqa: BLE001 - a lambda or a closure: built once per ClientApp object
+        key = None
+    if key is not None and key in _BUILT:
+        return _BUILT[key]
+    f = recipe()
+    if not isinstance(f, Federation):
+        raise ValueError(f"federation: the callable returned {type(f).__name__}, expected a Federation")
+    if key is not None:
+        _BUILT.clear()  # one federation per worker process: a new recipe replaces the old
+        _BUILT[key] = f
+    return f
+
+
+class FederationClient:
+    """The handlers of ``federation_client_app`` (a class, not closures: the simulation engine
+    pickles the ClientApp into its workers, and the built federation stays out of the pickle)."""
+
+    def __init__(self, federation: Union[Federation, Callable[[], Federation]], model, lr: float, local_steps: int,
+                 batch_size: Optional[int], seed: int) -> None:
+        if not (isinstance(federation, Federation) or callable(federation)):
+            raise ValueError(f"federation: expected a pflcore Federation or a callable returning one, "
+                             f"got {type(federation).__name__}")
+        self.federation, self.model = federation, model
+        self.lr, self.local_steps = _positive(lr, "lr"), _positive(local_steps, "local_steps", integer=True)
+        self.batch_size = None if batch_size is None else _positive(batch_size, "batch_size", integer=True)
+        self.seed = seed
+        self._fed: Optional[Federation] = federation if isinstance(federation, Federation) else None
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        if not isinstance(self.federation, Federation):
+            state["_fed"] = None  # built again in the worker, from the callable
+        return state
+
+    def fed(self) -> Federation:
+        if self._fed is None:
+            self._fed = _build(self.federation)
+        return self._fed
+
+    def client_of(self, context: Context) -> Tuple[Federation, torch.Tensor]:
+        """(the federation, int64 [1] this node's client index)."""
+        f = self.fed()
+        i = context.node_config.get("partition-id")
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < f.num_clients:
+            raise ValueError(f"node_config['partition-id']: expected a client index in [0, {f.num_clients}), got {i!r}")
+        return f, torch.tensor([int(i)], dtype=torch.int64)
+
+    def received(self, msg: Message, f: Federation):
+        """(key, record, layout, theta [1, d] a writable copy in the federation's dtype)."""
+        records = msg.content.array_records
+        if len(records) != 1:
+            raise ValueError(f"message: expected one ArrayRecord (the parameters), got {len(records)}")
+        key, record = next(iter(records.items()))
+        vec, layout = flatten(record, name=f"message[{key!r}]")
+        if layout.size != self.model.d:
+            raise ValueError(f"message[{key!r}]: expected {self.model.d} parameters for {self.model!r}, got {layout.size}")
+        return key, record, layout, torch.tensor(vec, dtype=f.train.dtype).reshape(1, -1)  # local_steps is in place
+
+    @staticmethod
+    def config(msg: Message):
+        configs = msg.content.config_records
+        return next(iter(configs.values())) if configs else {}
+
+    def train(self, msg: Message, context: Context) -> Message:
+        f, rows = self.client_of(context)
+        key, record, layout, theta = self.received(msg, f)
+        cfg = self.config(msg)
+        steps = int(cfg.get("local-steps", self.local_steps))
+        mu = float(cfg.get("proximal-mu", 0.0))
+        batches = None
+        if self.batch_size is not None:
+            batches = ops.sample_batches(f.train, steps=steps, batch_size=self.batch_size, seed=self.seed,
+                                             counter=int(cfg.get("server-round", 0)), clients=rows)
+        anchor = theta[0].clone() if mu > 0 else None
+        scale = torch.tensor([float(cfg.get("grad-scale", 1.0))], dtype=theta.dtype)
+        ops.local_steps(self.model, theta, f.train, steps=steps, lr=float(cfg.get("lr", self.lr)), prox=mu,
+                            anchor=anchor, rows=rows, batches=batches, grad_scale=scale)
+        loss, _, count = ops.evaluate(self.model, theta, f.train, rows=rows)
+        metrics = MetricRecord({"num-examples": int(count[0]), "train-loss": float(loss[0] / count[0])})
+        arrays = to_record(theta[0].numpy(), layout, like=record)
+        return Message(RecordDict({key: arrays, "metrics": metrics}), reply_to=msg)
+
+    def evaluate(self, msg: Message, context: Context) -> Message:
+        f, rows = self.client_of(context)
+        _, _, _, theta = self.received(msg, f)
+        loss, correct, count = ops.evaluate(self.model, theta, f.test, rows=rows)
+        n = int(count[0])
+        metrics = {"num-examples": n, "loss": float(loss[0]) / n}
+        if getattr(self.model, "is_classifier", False):
+            metrics["accuracy"] = float(correct[0]) / n
+        return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
+
+    def gradient(self, msg: Message, context: Context) -> Message:
+        f, rows = self.client_of(context)
+        key, record, layout, theta = self.received(msg, f)
+        g = ops.gradients(self.model, theta, f.train, rows=rows)
+        arrays = to_record(g[0].numpy(), layout, like=record)
+        n = int(f.train.sizes[int(rows[0])])
+        return Message(RecordDict({key: arrays, "metrics": MetricRecord({"num-examples": n})}), reply_to=msg)
+
+
 def federation_client_app(federation: Union[Federation, Callable[[], Federation]], model, *, lr: float = 0.1,
                           local_steps: int = 1, batch_size: Optional[int] = None, seed: int = 0) -> ClientApp:
     """A ClientApp serving ``federation`` with ``model`` (a pflcore GLM or net); ``lr`` and
     ``local_steps`` are the defaults the ConfigRecord may override; ``batch_size`` None means
     full-batch steps, else minibatches drawn by ``ops.sample_batches`` (seeded by ``seed`` and
     the server round)."""
-    if not (isinstance(federation, Federation) or callable(federation)):
-        raise ValueError(f"federation: expected a pflcore Federation or a callable returning one, "
-                         f"got {type(federation).__name__}")
-    lr, local_steps = _positive(lr, "lr"), _positive(local_steps, "local_steps", integer=True)
-    batch_size = None if batch_size is None else _positive(batch_size, "batch_size", integer=True)
-    built = {}
-
-    def fed() -> Federation:
-        if "fed" not in built:
-            f = federation if isinstance(federation, Federation) else federation()
-            if not isinstance(f, Federation):
-                raise ValueError(f"federation: the callable returned {type(f).__name__}, expected a Federation")
-            built["fed"] = f
-        return built["fed"]
-
-    def client_of(context: Context, f: Federation) -> int:
-        i = context.node_config.get("partition-id")
-        if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < f.num_clients:
-            raise ValueError(f"node_config['partition-id']: expected a client index in [0, {f.num_clients}), got {i!r}")
-        return int(i)
-
-    def received(msg: Message, f: Federation):
-        records = msg.content.array_records
-        if len(records) != 1:
-            raise ValueError(f"message: expected one ArrayRecord (the parameters), got {len(records)}")
-        key, record = next(iter(records.items()))
-        vec, layout = flatten(record, name=f"message[{key!r}]")
-        if layout.size != model.d:
-            raise ValueError(f"message[{key!r}]: expected {model.d} parameters for {model!r}, got {layout.size}")
-        theta = torch.tensor(vec, dtype=f.train.dtype).reshape(1, -1)  # a writable copy: local_steps is in place
-        return key, record, layout, theta
-
-    def config(msg: Message):
-        configs = msg.content.config_records
-        return next(iter(configs.values())) if configs else {}
-
+    client = FederationClient(federation, model, lr, local_steps, batch_size, seed)
     app = ClientApp()
-
-    @app.train()
-    def train(msg: Message, context: Context) -> Message:
-        f = fed()
-        i = client_of(context, f)
-        key, record, layout, theta = received(msg, f)
-        cfg = config(msg)
-        steps = int(cfg.get("local-steps", local_steps))
-        mu = float(cfg.get("proximal-mu", 0.0))
-        rows = torch.tensor([i], dtype=torch.int64)
-        batches = None
-        if batch_size is not None:
-            batches = ops.sample_batches(f.train, steps=steps, batch_size=batch_size, seed=seed,
-                                         counter=int(cfg.get("server-round", 0)), clients=rows)
-        anchor = theta[0].clone() if mu > 0 else None
-        ops.local_steps(model, theta, f.train, steps=steps, lr=float(cfg.get("lr", lr)), prox=mu, anchor=anchor,
-                        rows=rows, batches=batches,
-                        grad_scale=torch.tensor([float(cfg.get("grad-scale", 1.0))], dtype=theta.dtype))
-        loss, _, count = ops.evaluate(model, theta, f.train, rows=rows)
-        metrics = MetricRecord({"num-examples": int(count[0]), "train-loss": float(loss[0] / count[0])})
-        arrays = to_record(theta[0].numpy(), layout, like=record)
-        return Message(RecordDict({key: arrays, "metrics": metrics}), reply_to=msg)
-
-    @app.evaluate()
-    def evaluate(msg: Message, context: Context) -> Message:
-        f = fed()
-        i = client_of(context, f)
-        _, _, _, theta = received(msg, f)
-        loss, correct, count = ops.evaluate(model, theta, f.test, rows=torch.tensor([i], dtype=torch.int64))
-        n = int(count[0])
-        metrics = {"num-examples": n, "loss": float(loss[0]) / n}
-        if getattr(model, "is_classifier", False):
-            metrics["accuracy"] = float(correct[0]) / n
-        return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
-
-    @app.query("gradient")
-    def gradient(msg: Message, context: Context) -> Message:
-        f = fed()
-        i = client_of(context, f)
-        key, record, layout, theta = received(msg, f)
-        rows = torch.tensor([i], dtype=torch.int64)
-        g = ops.gradients(model, theta, f.train, rows=rows)
-        n = int(f.train.sizes[i])
-        arrays = to_record(g[0].numpy(), layout, like=record)
-        return Message(RecordDict({key: arrays, "metrics": MetricRecord({"num-examples": n})}), reply_to=msg)
-
+    app.train()(client.train)
+    app.evaluate()(client.evaluate)
+    app.query("gradient")(client.gradient)
     return app

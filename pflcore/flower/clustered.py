@@ -44,7 +44,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
 from pflcore import ops
-from pflcore.flower.params import Layout, flatten, stack, to_record
+from pflcore.flower.params import Layout, flatten, layout_of, stack, to_record
 
 
 def _count(value, name: str, minimum: int = 1) -> int:
@@ -209,6 +209,8 @@ class ClusteredStrategy(FedAvg):
             return None, None
         nodes = [int(r.metadata.src_node_id) for r in valid]
         records = [reply_arrays(r, self.arrayrecord_key) for r in valid]
+        if self.layout is None and self._sent is not None:  # replies must have the arrays the server sent
+            self.layout = layout_of(self._sent, "arrays")
         P, layout = stack(records, self.layout, names=[f"reply of node {n}" for n in nodes])
         w = np.array([reply_weight(r, self.weighted_by_key) for r in valid], dtype=P.dtype)
         if not w.sum() > 0:
