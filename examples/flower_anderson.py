@@ -17,7 +17,8 @@ accelerated strategy needs to reach the same gap, and writes both curves as JSON
     python examples/flower_anderson.py --engine loopback   # the same strategies in this process
 
 The loopback engine (``pflcore.flower.LoopbackGrid``) runs the same ClientApp and strategies
-without Ray, one message after another; the two engines give the same numbers. (Flower marks its
+without Ray, one message after another; the two engines give the same rounds and gaps equal to
+rounding (FedAvg sums the replies in the order they arrive). (Flower marks its
 Python entry point ``run_simulation`` deprecated in favour of the ``flwr run`` CLI on an app
 project; the ServerApp, ClientApp and strategies are the same there.)
 """
