@@ -8,7 +8,6 @@ import os
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 
-import importlib.util  # noqa: E402
 import logging  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -21,12 +20,13 @@ import torch  # noqa: E402
 pytest.importorskip("flwr", reason="the Flower strategies need flwr (pip install '.[flower]')")
 
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict  # noqa: E402
-from flwr.serverapp.strategy import FedAvg, FedAvgM  # noqa: E402
+from flwr.serverapp.strategy import FedAdam, FedAvg, FedAvgM  # noqa: E402
 
 import pflcore  # noqa: E402
 from pflcore import algorithms, data, models, ops  # noqa: E402
 from pflcore.flower import (AndersonStrategy, ClusteredStrategy, LoopbackGrid, PERMStrategy, array_view,  # noqa: E402
-                            federation_client_app, flatten, layout_of, stack, to_array, to_ndarrays, to_record)
+                            federation_client_app, flatten, flatten_as, layout_of, stack, to_array, to_ndarrays,
+                            to_record)
 from pflcore.flower.clustered import generalization_term  # noqa: E402
 from pflcore.run import global_optimum  # noqa: E402
 
@@ -178,7 +178,8 @@ def test_anderson_wraps_a_stateful_strategy_and_keeps_its_settings():
     n = 3
     nodes = _nodes(n)
     inner = FedAvgM(server_momentum=0.5, **_all_nodes(n))
-    strategy = AndersonStrategy(inner, memory=2)
+    with pytest.warns(RuntimeWarning, match="FedAvgM keeps optimizer state"):
+        strategy = AndersonStrategy(inner, memory=2)
     assert strategy.server_momentum == 0.5 and strategy.min_train_nodes == n  # delegated settings
     grid = _grid(n, nodes)
     arrays = ArrayRecord([np.ones(4, np.float32)])
@@ -186,8 +187,33 @@ def test_anderson_wraps_a_stateful_strategy_and_keeps_its_settings():
         msgs = list(strategy.configure_train(rnd, arrays, ConfigRecord(), grid))
         assert {m.metadata.dst_node_id for m in msgs} == set(nodes)
         u = flatten(arrays)[0]
-        arrays, _ = strategy.aggregate_train(rnd, _replies(msgs, {nd: 0.5 * u for nd in nodes}, dict.fromkeys(nodes, 1)))
+        replies = _replies(msgs, {nd: 0.5 * u for nd in nodes}, dict.fromkeys(nodes, 1))
+        arrays, _ = strategy.aggregate_train(rnd, replies)
         assert arrays["0"].numpy().dtype == np.float32  # the model's dtype is kept
+
+
+def test_anderson_follows_a_strategy_that_changes_the_dtype():
+    """FedAdam returns float64 for float32 parameters: u is cast to T(u)'s layout (flatten_as) and
+    the mixture has T(u)'s dtype."""
+    n = 3
+    nodes = _nodes(n)
+    with pytest.warns(RuntimeWarning, match="FedAdam keeps optimizer state"):
+        strategy = AndersonStrategy(FedAdam(**_all_nodes(n)), memory=1)
+    plain, reference = FedAdam(**_all_nodes(n)), ops.Anderson(1)
+    grid = _grid(n, nodes)
+    arrays = ArrayRecord([np.ones(4, np.float32)])
+    for rnd in (1, 2):
+        msgs = list(strategy.configure_train(rnd, arrays, ConfigRecord(), grid))
+        plain.configure_train(rnd, arrays, ConfigRecord(), grid)
+        u = flatten(arrays)[0]
+        replies = _replies(msgs, {nd: (0.5 * u + i).astype(np.float32) for i, nd in enumerate(nodes)},
+                           dict.fromkeys(nodes, 1))
+        tu, layout = flatten(plain.aggregate_train(rnd, replies)[0])
+        arrays, _ = strategy.aggregate_train(rnd, replies)
+        assert layout.dtypes == (np.float64,) and arrays["0"].numpy().dtype == np.float64
+        np.testing.assert_array_equal(flatten(arrays)[0], reference.step(flatten_as(ArrayRecord([u]), layout), tu))
+    with pytest.raises(ValueError, match=r"\{0: float64\[4\]\} \(any dtypes\), got \{0: float32\[5\]\}"):
+        flatten_as(ArrayRecord([np.ones(5, np.float32)]), layout)
 
 
 def test_anderson_keeps_u_when_every_client_failed():
@@ -467,8 +493,8 @@ def test_loopback_grid_gives_partitions_and_error_replies():
 def test_example_on_flowers_simulation_engine(tmp_path):
     """examples/flower_anderson.py on Flower's simulation engine (Ray), small: a subprocess (Ray
     starts its own processes and must not share this one's state)."""
-    if importlib.util.find_spec("ray") is None:
-        pytest.skip("Flower's simulation engine needs ray (pip install '.[flower]' installs flwr[simulation])")
+    pytest.importorskip("ray", reason="Flower's simulation engine needs ray (pip install '.[flower]' installs "
+                                      "flwr[simulation])")
     out = tmp_path / "curves.json"
     cmd = [sys.executable, str(ROOT / "examples" / "flower_anderson.py"), "--clients", "6", "--samples", "200",
            "--dim", "10", "--rounds", "15", "--out", str(out)]

@@ -37,7 +37,7 @@ models. The older API could not send a query of another kind (only fit/evaluate 
 engine); ``federation_client_app`` serves a pflcore federation as Flower clients.
 """
 try:
-    import flwr  # noqa: F401
+    import flwr  # noqa: F401 - only to say what to install
 except ImportError as exc:  # pragma: no cover - depends on the install
     raise ImportError("pflcore.flower needs Flower: pip install 'pflcore[flower]' (flwr >= 1.41)") from exc
 
@@ -45,8 +45,10 @@ from pflcore.flower.anderson import AndersonStrategy
 from pflcore.flower.clients import GRADIENT, federation_client_app
 from pflcore.flower.clustered import ClusteredStrategy
 from pflcore.flower.loopback import LoopbackGrid
-from pflcore.flower.params import Layout, array_view, flatten, layout_of, stack, to_array, to_ndarrays, to_record
+from pflcore.flower.params import (Layout, array_view, flatten, flatten_as, layout_of, stack, to_array, to_ndarrays,
+                                   to_record)
 from pflcore.flower.perm import PERMStrategy
 
 __all__ = ["AndersonStrategy", "ClusteredStrategy", "GRADIENT", "Layout", "LoopbackGrid", "PERMStrategy", "array_view",
-           "federation_client_app", "flatten", "layout_of", "stack", "to_array", "to_ndarrays", "to_record"]
+           "federation_client_app", "flatten", "flatten_as", "layout_of", "stack", "to_array", "to_ndarrays",
+           "to_record"]

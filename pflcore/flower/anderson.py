@@ -11,22 +11,26 @@ plain step T(u) when the residual ‖T(u) − u‖ grows by more than ``safeguar
 
 A map with sampled clients (``fraction_train < 1``) changes from round to round: Anderson
 mixes iterates of different maps, and the safeguard is what keeps that from diverging; full
-participation is the setting it accelerates.
+participation is the setting it accelerates. A strategy with server optimizer state (FedAdam,
+FedYogi, FedAdagrad; FedAvgM with momentum) is not a map of u alone: its next step depends on
+moments that the mixture never visited. Anderson on it can diverge (FedAdam and FedYogi do on the
+least-squares example), so wrapping one warns. The memoryless aggregations (FedAvg, FedProx,
+FedMedian, FedTrimmedAvg, Krum, ...) are the maps it is for.
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from logging import INFO
 from typing import Any, List, Optional, Tuple
 
-import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from pflcore import ops
-from pflcore.flower.params import Layout, flatten, to_record
+from pflcore.flower.params import Layout, flatten, flatten_as, to_record
 
 
 class AndersonStrategy(Strategy):
@@ -43,10 +47,16 @@ class AndersonStrategy(Strategy):
                  safeguard_factor: float = 10.0) -> None:
         if not isinstance(strategy, Strategy):
             raise ValueError(f"strategy: expected a flwr.serverapp.strategy.Strategy, got {type(strategy).__name__}")
+        bases = {c.__name__ for c in type(strategy).__mro__}  # FedOpt: FedAdam, FedYogi, FedAdagrad
+        stateful = "FedOpt" in bases or ("FedAvgM" in bases and getattr(strategy, "server_momentum", 0.0))
+        if stateful:
+            warnings.warn(f"strategy: {type(strategy).__name__} keeps optimizer state across rounds, so a round is "
+                          f"not a map of the parameters alone; Anderson mixing of its iterates can diverge",
+                          RuntimeWarning, stacklevel=2)
         self.strategy = strategy
         self.anderson = ops.Anderson(memory, reg, safeguard, safeguard_factor)  # validates the arguments
         self.history: List[dict] = []
-        self._u: Optional[np.ndarray] = None
+        self._u: Optional[ArrayRecord] = None  # the parameters sent this round
         self._layout: Optional[Layout] = None
         self._round = 0
 
@@ -68,9 +78,7 @@ class AndersonStrategy(Strategy):
             self.anderson.reset()
             self.history.clear()
         self._round = server_round
-        # u: a view of the sent arrays' bytes when the model is one array (bytes are immutable,
-        # and ops.Anderson copies u into its history).
-        self._u, self._layout = flatten(arrays, name="arrays")
+        self._u = arrays  # u, read (in place where the format allows) when T(u) is known
         return self.strategy.configure_train(server_round, arrays, config, grid)
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
@@ -78,9 +86,15 @@ class AndersonStrategy(Strategy):
         tu_record, metrics = self.strategy.aggregate_train(server_round, replies)
         if tu_record is None or self._u is None:  # nothing aggregated: the server keeps u
             return tu_record, metrics
-        tu, _ = flatten(tu_record, self._layout, name=f"{type(self.strategy).__name__}.aggregate_train's arrays")
+        # T(u)'s layout rules: a strategy may return other dtypes than it was sent (FedAdam gives
+        # float64 for float32 parameters, FedAvg averages integer counters into floats).
+        tu, layout = flatten(tu_record, name=f"{type(self.strategy).__name__}.aggregate_train's arrays")
+        u = flatten_as(self._u, layout, name="arrays (u)")
         restarts = self.anderson.resets
-        u_next = self.anderson.step(self._u, tu)
+        if self._layout is not None and self._layout != layout:
+            self.anderson.reset()  # the vector changed dtype or shape: its history cannot mix with it
+        self._layout = layout
+        u_next = self.anderson.step(u, tu)
         residual = float(self.anderson.residual_norm)
         pairs = int(self.anderson.weights.numel())
         self.history.append({"round": server_round, "residual": residual, "pairs": pairs,
@@ -89,7 +103,7 @@ class AndersonStrategy(Strategy):
         metrics = MetricRecord() if metrics is None else metrics
         metrics["anderson-residual"] = residual
         metrics["anderson-pairs"] = pairs
-        return to_record(u_next, self._layout, like=tu_record), metrics
+        return to_record(u_next, layout, like=tu_record), metrics
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:

@@ -26,7 +26,7 @@ from typing import Callable, Dict, Optional, Tuple, Union
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from pflcore import ops
@@ -107,7 +107,8 @@ class FederationClient:
         key, record = next(iter(records.items()))
         vec, layout = flatten(record, name=f"message[{key!r}]")
         if layout.size != self.model.d:
-            raise ValueError(f"message[{key!r}]: expected {self.model.d} parameters for {self.model!r}, got {layout.size}")
+            raise ValueError(f"message[{key!r}]: expected {self.model.d} parameters for {self.model!r}, "
+                             f"got {layout.size}")
         return key, record, layout, torch.tensor(vec, dtype=f.train.dtype).reshape(1, -1)  # local_steps is in place
 
     @staticmethod

@@ -60,7 +60,8 @@ class LoopbackGrid(Grid):
             node_ids = np.random.default_rng(seed).choice(2**62, size=int(num_nodes), replace=False) + 2
         elif (len(node_ids) != num_nodes or len(set(node_ids)) != num_nodes
               or not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) and i > 1 for i in node_ids)):
-            raise ValueError(f"node_ids: expected {num_nodes} distinct integers > 1 (1 is the server's), got {node_ids!r}")
+            raise ValueError(f"node_ids: expected {num_nodes} distinct integers > 1 (1 is the server's), "
+                             f"got {node_ids!r}")
         self.node_ids: List[int] = [int(i) for i in node_ids]
         self.contexts: Dict[int, Context] = {
             nid: Context(run_id=1, node_id=nid, node_config={"partition-id": i, "num-partitions": int(num_nodes)},

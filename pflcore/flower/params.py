@@ -165,6 +165,25 @@ def flatten(arrays: Arrays, layout: Optional[Layout] = None, name: str = "arrays
     return out, mine
 
 
+def flatten_as(arrays: Arrays, layout: Layout, name: str = "arrays") -> np.ndarray:
+    """``arrays`` as a vector of ``layout``: the same names and shapes, the dtypes may differ
+    (e.g. a strategy that returns float64 for float32 parameters, or averages an integer
+    counter): those are cast, one copy. With the same dtypes this is ``flatten`` (a view where it
+    can be)."""
+    named = _named_arrays(arrays, name)
+    if [k for k, _ in named] != list(layout.keys) or [tuple(a.shape) for _, a in named] != list(layout.shapes):
+        got = ", ".join(f"{k}: {a.dtype}{list(a.shape)}" for k, a in named)
+        raise ValueError(f"{name}: expected the arrays {{{layout.describe()}}} (any dtypes), got {{{got}}}")
+    if tuple(a.dtype for _, a in named) == layout.dtypes:
+        return flatten(arrays, layout, name)[0]
+    out = np.empty(layout.size, layout.dtype)
+    for k, a in named:
+        if k in layout.offsets:
+            o = layout.offsets[k]
+            np.copyto(out[o:o + layout.sizes[k]].reshape(a.shape), a, casting="unsafe")
+    return out
+
+
 def stack(records: Sequence[Arrays], layout: Optional[Layout] = None, names: Optional[Sequence[str]] = None
           ) -> Tuple[np.ndarray, Layout]:
     """``([m, D], layout)``: one row per record, each payload copied once into its row. Every
