@@ -27,7 +27,7 @@ from pflcore import algorithms, data, models, ops  # noqa: E402
 from pflcore.flower import (AndersonStrategy, ClusteredStrategy, LoopbackGrid, PERMStrategy, array_view,  # noqa: E402
                             federation_client_app, flatten, flatten_as, layout_of, stack, to_array, to_ndarrays,
                             to_record)
-from pflcore.flower.clustered import generalization_term  # noqa: E402
+from pflcore.algorithms.cgpfl import generalization_term  # noqa: E402
 from pflcore.run import global_optimum  # noqa: E402
 
 logging.getLogger("flwr").setLevel(logging.ERROR)

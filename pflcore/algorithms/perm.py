@@ -268,3 +268,5 @@ class PERM(Algorithm):
 
     def global_model(self, state: PERMState) -> torch.Tensor:
         return state.w
+
+__all__ = ["PERM", "PERMState", "mixing_weights", "pairwise_sqdist", "water_filling", "weights_from_gradients"]

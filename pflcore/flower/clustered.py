@@ -44,6 +44,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
 from pflcore import ops
+from pflcore.algorithms.cgpfl import generalization_term
 from pflcore.flower.params import Layout, flatten, layout_of, stack, to_record
 
 
@@ -51,11 +52,6 @@ def _count(value, name: str, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ValueError(f"{name}: expected an integer >= {minimum}, got {value!r}")
     return int(value)
-
-
-def generalization_term(d: int, k: int, n_samples: float) -> float:
-    """sqrt(d·K/N_s · max(log(e·N_s/d), 1)): the K-dependent complexity term of CGPFL-Heur's e(K)."""
-    return math.sqrt(d * k / n_samples * max(math.log(math.e * n_samples / d), 1.0))
 
 
 def reply_arrays(message: Message, key: str) -> ArrayRecord:
