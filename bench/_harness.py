@@ -281,8 +281,8 @@ def plot_ratio_groups(groups: Dict[str, Dict[str, float]], path: str, *, title: 
                 fontweight="bold")
         y += 1
         for label, ratio in bars.items():
-            kind = "base" if label == baseline else ("pflcore" if label.startswith(("native", "cuda", "triton"))
-                                                     else "peer")
+            kind = "base" if label == baseline else (
+                "pflcore" if label.startswith(("native", "cuda", "triton", "pflcore")) else "peer")
             ticks.append(y)
             labels.append(label)
             values.append(ratio)

@@ -84,6 +84,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p_run.add_argument("--out", help="output folder (default: the experiment's `out`)")
     p_run.add_argument("--no-progress", action="store_true", help="no progress bars")
     p_run.set_defaults(func=_run)
+    from pflcore import bench_cli
+    bench_cli.add_parser(sub)  # `pflcore bench`: the benchmark suite of a checkout (bench/)
     # Overrides may follow options (`pflcore run exp.toml --algo pFedMe rounds=10`).
     args, extra = parser.parse_known_args(argv)
     if extra:
