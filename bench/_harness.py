@@ -296,9 +296,10 @@ def plot_ratio_groups(groups: Dict[str, Dict[str, float]], path: str, *, title: 
     ax.set_yticklabels(labels, fontsize=7)
     ax.set_ylim(y - 0.5, -0.5)
     finite = [v for v in values if v and v > 0 and math.isfinite(v)]
-    if finite and max(finite) / min(finite) > 20:
+    log = bool(finite) and max(finite) / min(finite) > 20
+    if log:
         ax.set_xscale("log")
-    ax.set_xlabel(xlabel)
+    ax.set_xlabel(xlabel + (" (log scale)" if log else ""))
     ax.set_title(title, fontsize=10)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)

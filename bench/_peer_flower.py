@@ -21,6 +21,8 @@ their partition themselves, cached per process).
 """
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, RandomSampler, TensorDataset
@@ -90,10 +92,26 @@ def train(msg: Message, context: Context):
     return Message(content=content, reply_to=msg)
 
 
+def train_metrics(records, weighting_key: str) -> MetricRecord:
+    """The train-loss average weighted by ``num-examples`` (a ``train_metrics_aggr_fn``, called
+    once a round after the replies arrive: its clock readings give the time between rounds)."""
+    _ROUND_CLOCK.append(time.perf_counter())
+    total = weighted = 0.0
+    for record in records:
+        m = next(iter(record.metric_records.values()))
+        total += float(m[weighting_key])
+        weighted += float(m[weighting_key]) * float(m["train_loss"])
+    return MetricRecord({"train_loss": weighted / max(total, 1e-30)})
+
+
+_ROUND_CLOCK: list = []
+
+
 def server_app(*, data: str, clients: int, cohort: int, rounds: int, lr: float, local_steps: int, batch_size: int,
                evaluate: bool, out: dict) -> ServerApp:
     """The ServerApp of one run; the final model goes to ``out["state_dict"]``, the centralized
-    evaluations to ``out["evaluations"]``."""
+    evaluations to ``out["evaluations"]``, the clock at the end of every round's training to
+    ``out["round_clock"]``."""
     app = ServerApp()
 
     @app.main()
@@ -101,7 +119,8 @@ def server_app(*, data: str, clients: int, cohort: int, rounds: int, lr: float, 
         d = load(data)
         p, C = d["x"].shape[1], int(d["classes"])
         strategy = FedAvg(fraction_train=cohort / clients, fraction_evaluate=0.0, min_train_nodes=cohort,
-                          min_available_nodes=clients)
+                          min_available_nodes=clients, train_metrics_aggr_fn=train_metrics)
+        _ROUND_CLOCK.clear()
 
         def global_evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
             model = net(p, C)
@@ -116,6 +135,7 @@ def server_app(*, data: str, clients: int, cohort: int, rounds: int, lr: float, 
                                        "data": data, "classes": C}),
             evaluate_fn=global_evaluate if evaluate else None)
         out["state_dict"] = result.arrays.to_torch_state_dict()
+        out["round_clock"] = list(_ROUND_CLOCK)
 
     return app
 
@@ -136,4 +156,9 @@ def run(data_path, *, clients, rounds, cohort, lr, local_steps, batch_size, eval
                    backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}})
     if "state_dict" not in out:
         raise RuntimeError("the Flower simulation ended without a final model (see its log above)")
+    LAST_RUN.clear()
+    LAST_RUN.update(out)
     return out["state_dict"]["weight"], out["state_dict"]["bias"]
+
+
+LAST_RUN: dict = {}  # the last run's ``out`` (round clock, evaluations)

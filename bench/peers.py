@@ -19,7 +19,8 @@ Measured, per framework and configuration, without evaluation and evaluating eve
     the same in both and cancel); the best of ``--repeats`` runs of each length is used, and the
     frameworks' runs are interleaved so that the machine's load reaches all of them alike; every
     framework first runs once untimed (imports, caches, ray's first start). pflcore's rounds
-    are so short that it is timed on runs 10x as long (10·R0 and 10·R rounds);
+    without evaluation are so short that they are timed on runs 10x as long (10·R0 and 10·R);
+    for Flower the median time between the ends of rounds 3..R inside a run is recorded too;
   - the test accuracy of the final global model after R rounds, all computed by one function
     here (the global model on every client's test rows) -- the workloads must agree on it;
   - the ratios to pflcore.
@@ -47,6 +48,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -67,11 +69,12 @@ def parse(argv=None):
     ap.add_argument("--rounds-1k", type=int, default=30, help="R for the 1,000-client configuration")
     ap.add_argument("--short-rounds-1k", type=int, default=10, help="R0 for the 1,000-client configuration")
     ap.add_argument("--repeats", type=int, default=3, help="runs of each length for pflcore and pfl-research")
-    ap.add_argument("--flower-repeats", type=int, default=1, help="runs of each length for Flower")
+    ap.add_argument("--flower-repeats", type=int, default=2, help="runs of each length for Flower")
     ap.add_argument("--no-1k", action="store_true", help="skip the 1,000-client configuration")
     ap.add_argument("--threads", type=int, default=None, help="torch/OpenMP threads (default: torch's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "peers.json"))
+    ap.add_argument("--replot", action="store_true", help="only redraw the PNG and reprint the table from --out")
     ap.add_argument("--log", default=os.path.join(tempfile.gettempdir(), "pflcore_peers.log"),
                     help="where the peers' console output goes")
     args = ap.parse_args(argv)
@@ -113,6 +116,11 @@ def main(argv=None) -> int:
     import pflcore
     import _harness as H
 
+    if args.replot:
+        results = H.read_json(args.out)
+        print_table(results)
+        print("wrote", plot(results, os.path.splitext(args.out)[0] + ".png", H))
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     wanted = [f for f in FRAMEWORKS if f in (args.only or FRAMEWORKS)]
@@ -147,29 +155,33 @@ def main(argv=None) -> int:
         runner = make_runners(fed, cohort, args, tmp, frameworks)
         entry = {"config": label, "clients": m, "cohort": cohort, "rounds": R, "short_rounds": R0,
                  "train_rows": fed.train.num_rows, "test_rows": fed.test.num_rows, "frameworks": {}}
-        # pflcore's rounds last ~1 ms: its runs are PFLCORE_SCALE times longer, so that the difference
-        # of the two runs stands well above the noise; its accuracy comes from a run of R rounds.
-        lengths = {f: ((R0 * PFLCORE_SCALE, R * PFLCORE_SCALE) if f == "pflcore" else (R0, R)) for f in frameworks}
-        times = {(f, ev, n): [] for f in frameworks for ev in (False, True) for n in lengths[f]}
-        finals = {}
+        # pflcore's rounds without evaluation last ~1 ms: those runs are PFLCORE_SCALE times longer,
+        # so that the difference of the two runs stands well above the noise; its accuracy then
+        # comes from a run of R rounds.
+        lengths = {(f, ev): ((R0 * PFLCORE_SCALE, R * PFLCORE_SCALE) if f == "pflcore" and not ev else (R0, R))
+                   for f in frameworks for ev in (False, True)}
+        times = {(f, ev, n): [] for (f, ev), ns in lengths.items() for n in ns}
+        finals, intervals = {}, {}
         for f in frameworks:  # warm-up: imports, caches, ray's first start
             with console_to(args.log):
                 runner[f](2, False)
-            for evaluate in (False, True):
-                with console_to(args.log):
-                    finals[(f, evaluate)] = runner[f](R, evaluate) if f == "pflcore" else None
+                if f == "pflcore":
+                    finals[(f, False)] = runner[f](R, False)
         reps = {f: (args.flower_repeats if f == "flower" else args.repeats) for f in frameworks}
         for rep in range(max(reps.values())):
             for f in frameworks:
                 if rep >= reps[f]:
                     continue
-                short, long_ = lengths[f]
                 for evaluate in (False, True):
+                    short, long_ = lengths[(f, evaluate)]
                     for n in (short, long_):
                         t0 = time.perf_counter()
                         with console_to(args.log):
                             final = runner[f](n, evaluate)
                         times[(f, evaluate, n)].append(time.perf_counter() - t0)
+                        if f == "flower" and n == long_:
+                            clock = sys.modules["_peer_flower"].LAST_RUN.get("round_clock", [])
+                            intervals.setdefault(evaluate, []).extend(b - a for a, b in zip(clock[2:], clock[3:]))
                         if n == R and finals.get((f, evaluate)) is None:
                             finals[(f, evaluate)] = final
                     per = per_round(times, f, evaluate, short, long_)
@@ -178,11 +190,15 @@ def main(argv=None) -> int:
                           f"{min(times[(f, evaluate, long_)]):.2f} s, T({short}) = "
                           f"{min(times[(f, evaluate, short)]):.2f} s)", flush=True)
         for f in frameworks:
-            row = {"rounds_timed": list(lengths[f])}
+            row = {}
             for evaluate, key in ((False, "no_eval"), (True, "eval_every_round")):
-                row[f"{key}_s_per_round"] = per_round(times, f, evaluate, *lengths[f])
+                row[f"{key}_rounds_timed"] = list(lengths[(f, evaluate)])
+                row[f"{key}_s_per_round"] = per_round(times, f, evaluate, *lengths[(f, evaluate)])
                 row[f"{key}_accuracy"] = accuracy(fed, *finals[(f, evaluate)])
-                row[f"{key}_runs_s"] = {str(n): times[(f, evaluate, n)] for n in lengths[f]}
+                row[f"{key}_runs_s"] = {str(n): times[(f, evaluate, n)] for n in lengths[(f, evaluate)]}
+                if f == "flower" and intervals.get(evaluate):
+                    # a cross-check inside one run: the median time between the ends of rounds 3..R
+                    row[f"{key}_median_round_interval_s"] = statistics.median(intervals[evaluate])
             entry["frameworks"][NAMES[f]] = row
         base = entry["frameworks"].get("pflcore")
         for name, row in entry["frameworks"].items():
@@ -278,6 +294,12 @@ def print_table(results):
                   f"{'' if r1 is None else f'{r1:7.1f}x':>8} {row['eval_every_round_s_per_round'] * 1e3:14.2f} "
                   f"{'' if r2 is None else f'{r2:7.1f}x':>8} {row['no_eval_accuracy']:9.4f} "
                   f"{row['eval_every_round_accuracy']:10.4f}")
+    for entry in results["configs"]:
+        for name, row in entry["frameworks"].items():
+            if row.get("no_eval_median_round_interval_s") is not None:
+                print(f"{name}, {entry['config']}: median time between rounds inside a run "
+                      f"{row['no_eval_median_round_interval_s'] * 1e3:.1f} ms (evaluating every round "
+                      f"{row['eval_every_round_median_round_interval_s'] * 1e3:.1f} ms)")
     print(f"(accuracy: the final global model on all test rows after R rounds; threads: {results['threads']})")
 
 
@@ -290,10 +312,9 @@ def plot(results, path, H):
                 if row.get(f"ratio_to_pflcore_{key}") is not None}
     ms = {f"{e['config']}": {n: r["no_eval_s_per_round"] * 1e3 for n, r in e["frameworks"].items()}
           for e in results["configs"]}
-    title = "FedAvg, Synthetic(0.5, 0.5), 20 local steps of B=20: time per round relative to pflcore\n" + "; ".join(
-        f"{c}: " + ", ".join(f"{n} {v:.1f} ms" for n, v in d.items()) for c, d in ms.items())
-    return H.plot_ratio_groups(groups, path, title=title, xlabel="seconds per round / pflcore's (log scale)",
-                               baseline="pflcore")
+    title = "FedAvg, Synthetic(0.5, 0.5), 20 local steps of B=20: time per round relative to pflcore\n" + "\n".join(
+        f"{c}, no evaluation: " + ", ".join(f"{n} {v:.1f} ms" for n, v in d.items()) for c, d in ms.items())
+    return H.plot_ratio_groups(groups, path, title=title, xlabel="seconds per round / pflcore's", baseline="pflcore")
 
 
 if __name__ == "__main__":
