@@ -275,14 +275,14 @@ def plot_ratio_groups(groups: Dict[str, Dict[str, float]], path: str, *, title: 
     fig, ax = plt.subplots(figsize=(10, 0.28 * n + 1.6))
     y, ticks, labels, colors = 0, [], [], []
     values = []
-    palette = {"pflcore": "tab:green", "peer": "tab:orange", "base": "tab:gray"}
+    palette = {"pflcore": "tab:green", "peer": "tab:orange", "base": "tab:gray"}  # pflcore's backends / others
     for group, bars in groups.items():
         ax.text(0.0, y, group, transform=ax.get_yaxis_transform(), ha="left", va="center", fontsize=8,
                 fontweight="bold")
         y += 1
         for label, ratio in bars.items():
             kind = "base" if label == baseline else (
-                "pflcore" if label.startswith(("native", "cuda", "triton", "pflcore")) else "peer")
+                "pflcore" if label.startswith(("native", "cuda", "triton", "reference", "pflcore")) else "peer")
             ticks.append(y)
             labels.append(label)
             values.append(ratio)

@@ -124,6 +124,14 @@ def batches(size: str, device: str = "cpu", steps: int = 1) -> torch.Tensor:
 
 
 _EXPECTED: Dict = {}
+_CACHES: list = []
+
+
+def cached(fn: Callable) -> Callable:
+    """``functools.lru_cache`` whose entries ``release()`` drops (for the test modules' workloads)."""
+    wrapped = functools.lru_cache(maxsize=None)(fn)
+    _CACHES.append(wrapped)
+    return wrapped
 
 
 def checked_rows(size: str) -> Optional[torch.Tensor]:
@@ -142,7 +150,7 @@ def expected(key, compute: Callable):
 
 def release() -> None:
     """Drops the cached workloads (between test modules: a 2-core machine has little memory to spare)."""
-    for fn in (clients, models, batches, _moved):
+    for fn in (clients, models, batches, _moved, *_CACHES):
         fn.cache_clear()
     _EXPECTED.clear()
 

@@ -9,7 +9,6 @@ FLOPs: 4·(p+1)·C per row and step (logits and gradient).
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
@@ -19,8 +18,8 @@ import torch
 import pflcore
 from pflcore import backend, ops
 
-from _suite import (BATCH, C, MODEL, P, batches, checked_rows, clients, device_of, expected, group_name, impls, max_abs_diff,
-                    measure, models, on_device, torch_sgd_loop)
+from _suite import (BATCH, C, MODEL, P, batches, cached, checked_rows, clients, device_of, expected, group_name, impls,
+                    max_abs_diff, measure, models, on_device, torch_sgd_loop)
 
 LR, TOL = 0.05, 1e-5
 pytestmark = pytest.mark.op("local_steps")
@@ -62,7 +61,7 @@ def test_local_steps_minibatch(benchmark, size, impl):
     _case(size, impl, data, theta0, kw, flops, f"1 step, B={BATCH}", benchmark)
 
 
-@functools.lru_cache(maxsize=None)
+@cached
 def _full_batch_workload():
     rng = np.random.RandomState(0)
     sizes = np.maximum(1, np.round(rng.lognormal(math.log(350) - 0.125, 0.5, 1000)))

@@ -12,7 +12,6 @@ max |Δ| <= 1e-6. Bytes: the [m, d] rows read once.
 """
 from __future__ import annotations
 
-import functools
 
 import numpy as np
 import pytest
@@ -20,12 +19,12 @@ import torch
 
 from pflcore import backend, ops
 
-from _suite import D, SIZES, device_of, expected, group_name, impls, max_abs_diff, measure, models
+from _suite import D, SIZES, cached, device_of, expected, group_name, impls, max_abs_diff, measure, models
 
 MEMORY = 5
 
 
-@functools.lru_cache(maxsize=None)
+@cached
 def pairs(size):
     """Distinct (u, T(u)) pairs: a repeated pair would make the Gram matrix singular."""
     m = SIZES[size].clients

@@ -34,6 +34,8 @@ def add_parser(sub) -> None:
                    help=f"only op NAME ({', '.join(OPS)}) or the groups / test ids containing NAME (repeatable)")
     p.add_argument("--out", help="JSON path (default bench/results/suite.json; suite_quick.json with --quick, "
                                  "suite_only-NAME.json with --only); the PNG goes next to it")
+    p.add_argument("--threads", type=int, metavar="N",
+                   help="threads of torch, OpenMP (pflcore's native kernels, faiss) and BLAS (default: theirs)")
     p.add_argument("--suite", help="the suite's folder (default: bench/ of the current directory or of the "
                                    "checkout pflcore is installed from)")
     p.add_argument("pytest_args", nargs=argparse.REMAINDER, help="after --: options passed to pytest")
@@ -131,7 +133,11 @@ def run(args) -> int:
     extra = [a for a in (args.pytest_args or []) if a != "--"]
     cmd = pytest_command(suite, out, args.quick, args.only, extra)
     print("running:", " ".join(cmd[1:]), flush=True)
-    code = subprocess.run(cmd, cwd=os.path.dirname(suite)).returncode
+    env = dict(os.environ)
+    if args.threads:  # read by torch, OpenMP and BLAS when they start in the pytest process
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+            env[var] = str(args.threads)
+    code = subprocess.run(cmd, cwd=os.path.dirname(suite), env=env).returncode
     if code != 0 or not os.path.exists(out):
         print(f"pflcore bench: pytest exited with code {code}" + ("" if os.path.exists(out) else "; no results"))
         return code or 1
