@@ -36,8 +36,8 @@ scheduler quantum for its second thread): all frameworks then slow down many-fol
 ``--threads 1`` measures them at their best.
 
     pip install ".[peers,plot]"
-    python bench/peers.py                 # ~15 minutes (Flower: ~1 s per round)
-    python bench/peers.py --quick         # fewer rounds, one repeat (~3 minutes)
+    python bench/peers.py --threads 1     # ~10 minutes (Flower: ~0.2 s per round, ray starts 9 times)
+    python bench/peers.py --quick         # fewer rounds, one repeat (~2-3 minutes)
     python bench/peers.py --only pflcore --only pfl
 
 Prints the table and writes ``--out`` (default bench/results/peers.json) and a PNG beside it.
