@@ -4,7 +4,8 @@ Options added here:
   --bench-quick        leave out the 10,000-client sizes and the full-batch group (what
                        ``pflcore bench --quick`` runs);
   --bench-only NAME    run only the benchmarks of an op (``local_steps``, ``kmeans``, ...: exact),
-                       or whose group or test id contains NAME (repeatable).
+                       or whose group or test id contains NAME (repeatable);
+  --bench-keep-data    keep every round's time in the JSON (by default only the statistics).
 The machine record of the JSON gets the CPU model, torch's threads, pflcore's backends, the git
 commit and the load average (bench/_harness.py).
 """
@@ -35,6 +36,9 @@ def pytest_addoption(parser):
                     help="leave out the 10,000-client sizes and the full-batch local_steps group")
     group.addoption("--bench-only", action="append", default=[], metavar="NAME",
                     help=f"only the benchmarks of op NAME ({', '.join(OPS)}) or whose group/test id contains NAME")
+    group.addoption("--bench-keep-data", action="store_true", default=False,
+                    help="keep every round's time in --benchmark-json (default: the statistics only; the raw "
+                         "times of a full run are ~10 MB)")
 
 
 def _op_of(item) -> str:
@@ -73,3 +77,9 @@ def _release_workloads():
 
 def pytest_benchmark_update_machine_info(config, machine_info):
     machine_info.update(_harness.machine_info())
+
+
+def pytest_benchmark_update_json(config, benchmarks, output_json):
+    if not config.getoption("--bench-keep-data"):
+        for bench in output_json.get("benchmarks", []):
+            bench.get("stats", {}).pop("data", None)

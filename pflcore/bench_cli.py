@@ -145,5 +145,11 @@ def run(args) -> int:
         groups = ratios(json.load(f))
     print_summary(groups)
     png = plot(groups, suite, os.path.splitext(out)[0] + ".png")
-    print(f"\nwrote {out}" + (f" and {png}" if png else " (no PNG: pip install '.[plot]' for matplotlib)"))
+    if png:
+        why = ""
+    elif importlib.util.find_spec("matplotlib") is None:
+        why = " (no PNG: pip install '.[plot]' for matplotlib)"
+    else:
+        why = " (no PNG: no group of this run has its baseline, pflcore native or the matmul)"
+    print(f"\nwrote {out}" + (f" and {png}" if png else why))
     return 0
