@@ -75,11 +75,19 @@ def _release_workloads():
     _suite.release()
 
 
+def pytest_sessionstart(session):
+    session.config._bench_load_start = _harness.loadavg()
+
+
 def pytest_benchmark_update_machine_info(config, machine_info):
-    machine_info.update(_harness.machine_info())
+    # What stays the same between runs on one machine (--benchmark-compare warns when it differs);
+    # the load and the commit go to the JSON's "load" and pytest-benchmark's "commit_info".
+    machine_info.update({k: v for k, v in _harness.machine_info().items() if k not in ("loadavg_1min", "git_commit")})
 
 
 def pytest_benchmark_update_json(config, benchmarks, output_json):
+    output_json["load"] = {"loadavg_1min_start": getattr(config, "_bench_load_start", None),
+                           "loadavg_1min_end": _harness.loadavg()}
     if not config.getoption("--bench-keep-data"):
         for bench in output_json.get("benchmarks", []):
             bench.get("stats", {}).pop("data", None)
