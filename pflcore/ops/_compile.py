@@ -3,9 +3,12 @@
 Each public op is registered with ``torch.library`` in the ``pflcore`` namespace
 (``torch.ops.pflcore.local_steps`` & co), with a fake implementation that gives the outputs'
 shapes and dtypes, and ``local_steps``'s in-place update of ``theta`` declared. The first line
-of each public op asks ``torch.compiler.is_compiling()``: inside ``torch.compile`` it calls the
-``traced_<op>`` function of this module instead, which Dynamo traces: it unpacks the model and
-the ``ClientData`` into tensors and scalars and calls the custom op, one node of the graph.
+of each public op asks ``is_dynamo_compiling() or is_exporting()`` (``torch.compiler``): while
+Dynamo traces (``torch.compile``, strict ``torch.export``) or ``torch.export`` traces without it,
+the op calls the ``traced_<op>`` function of this module instead: it unpacks the model and the
+``ClientData`` into tensors and scalars and calls the custom op, one node of the graph. (That
+test is ``torch.compiler.is_compiling()`` where it matters, at half its eager cost: ~0.05 µs of
+a small call, ``bench/compile.py``; Dynamo folds both functions to constants.)
 When the compiled graph runs, the custom op's real implementation is the eager op's own path
 (``run_<op>``): the same checks, backend choice (``pflcore.backend.use`` around the compiled
 call is honoured) and numbers. The algorithm guard is applied then, when the graph runs, so a

@@ -13,7 +13,7 @@ import math
 from typing import Dict, List, Optional
 
 import torch
-from torch.compiler import is_compiling
+from torch.compiler import is_dynamo_compiling, is_exporting
 
 from pflcore import backend
 from pflcore._arrays import from_tensor, to_tensor
@@ -38,7 +38,7 @@ def _residuals(residuals):
 
 def anderson_weights(residuals, reg: float = 1e-8):
     """π ``[k]`` (float64, sums to 1) for residuals ``[k, D]``."""
-    if is_compiling():  # inside torch.compile: the custom op torch.ops.pflcore.anderson_weights (ops/_compile.py)
+    if is_dynamo_compiling() or is_exporting():  # compile, export: torch.ops.pflcore.anderson_weights
         return _compile.traced_anderson_weights(residuals, reg)
     return run_anderson_weights(residuals, reg)
 
@@ -105,7 +105,7 @@ class Anderson:
 
         Under ``torch.compile`` this is a graph break (the history is Python state updated by
         data-dependent branches): compiled code mixes with ``anderson_weights``."""
-        if is_compiling():  # a graph break, then the step runs eagerly (ops/_compile.py)
+        if is_dynamo_compiling() or is_exporting():  # torch.compile: a graph break (ops/_compile.py)
             return _compile.eager_anderson_step(self, u, tu, reduce)
         return self._step(u, tu, reduce)
 

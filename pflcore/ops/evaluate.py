@@ -4,7 +4,7 @@ correct count is 0; logistic predicts 1 when z > 0; softmax (and the nets) predi
 maximal logit."""
 from __future__ import annotations
 
-from torch.compiler import is_compiling
+from torch.compiler import is_dynamo_compiling, is_exporting
 
 from pflcore import backend
 from pflcore._arrays import from_tensor
@@ -19,7 +19,7 @@ def evaluate(model, theta, data, *, rows=None, batches=None):
     as arrays of theta's kind; ``theta`` [d] is one model for every row (a global model at every
     client, without an [m, d] copy). Values are checked as they are read (DESIGN.md §8). Inside
     an algorithm, use ``ctx.evaluate``."""
-    if is_compiling():  # inside torch.compile: the custom op torch.ops.pflcore.evaluate (ops/_compile.py)
+    if is_dynamo_compiling() or is_exporting():  # compile, export: torch.ops.pflcore.evaluate
         return _compile.traced_evaluate(model, theta, data, rows, batches)
     if IN_ALGORITHM.get() is not None:
         refuse_inside_algorithm("evaluate")

@@ -4,7 +4,7 @@ i = rows[r]. GLMs in closed form (∇²(mean loss)·v = Xᵀ J X v / B, J the He
 the logits); torch nets by forward-over-reverse autodiff, vmapped over rows."""
 from __future__ import annotations
 
-from torch.compiler import is_compiling
+from torch.compiler import is_dynamo_compiling, is_exporting
 
 from pflcore import backend
 from pflcore._arrays import from_tensor
@@ -17,7 +17,7 @@ def hvp(model, theta, v, data, *, batches, rows=None):
     """``[R, d]``: the Hessian of each row's minibatch objective at ``theta [R, d]`` times
     ``v [R, d]``; ``batches``: ``int32 [R, B]`` absolute row indices in each row's client.
     Inside an algorithm, use ``ctx.hvp``."""
-    if is_compiling():  # inside torch.compile: the custom op torch.ops.pflcore.hvp (ops/_compile.py)
+    if is_dynamo_compiling() or is_exporting():  # compile, export: torch.ops.pflcore.hvp
         return _compile.traced_hvp(model, theta, v, data, batches, rows)
     if IN_ALGORITHM.get() is not None:
         refuse_inside_algorithm("hvp")

@@ -18,7 +18,7 @@ from typing import Callable, List, Optional
 
 import numpy as np
 import torch
-from torch.compiler import is_compiling
+from torch.compiler import is_dynamo_compiling, is_exporting
 
 from pflcore import backend
 from pflcore._arrays import from_tensor, to_tensor
@@ -65,7 +65,7 @@ def kmeans_assign(points, centroids):
     """Nearest centroid of every point: ``(labels int64 [N], sqdist [N])``, as arrays of the
     points' kind. NaN/inf in the centroids or the points is a NonFiniteError naming the first
     bad row."""
-    if is_compiling():  # inside torch.compile: the custom op torch.ops.pflcore.kmeans_assign (ops/_compile.py)
+    if is_dynamo_compiling() or is_exporting():  # compile, export: torch.ops.pflcore.kmeans_assign
         return _compile.traced_kmeans_assign(points, centroids)
     if IN_ALGORITHM.get() is not None:
         refuse_inside_algorithm("kmeans_assign")
@@ -208,7 +208,7 @@ def kmeans(points, k=None, *, init="k-means++", iters: int = 100, tol: float = 1
     labels are then this rank's, the centroids and inertia global. Inside an algorithm, use
     ``ctx.kmeans``.
     """
-    if is_compiling():  # inside torch.compile: a graph break, then this function runs eagerly (ops/_compile.py)
+    if is_dynamo_compiling() or is_exporting():  # torch.compile: a graph break (ops/_compile.py)
         return _compile.eager_kmeans(points, k, init, iters, tol, seed, weights, comm)
     if IN_ALGORITHM.get() is not None:
         refuse_inside_algorithm("kmeans")

@@ -8,7 +8,7 @@ else ``batches[r, s, :]``, absolute row indices into x); a_r is ``anchor[r]`` ([
 """
 from __future__ import annotations
 
-from torch.compiler import is_compiling
+from torch.compiler import is_dynamo_compiling, is_exporting
 
 from pflcore import backend
 from pflcore._arrays import TORCH, from_tensor, to_tensor
@@ -63,7 +63,7 @@ def local_steps(model, theta, data, *, steps, lr, prox=0.0, anchor=None, batches
 
     Inside an algorithm's round, use ``ctx.local_steps`` (this raises RuntimeError there).
     """
-    if is_compiling():  # inside torch.compile: the custom op torch.ops.pflcore.local_steps (ops/_compile.py)
+    if is_dynamo_compiling() or is_exporting():  # compile, export: torch.ops.pflcore.local_steps
         return _compile.traced_local_steps(model, theta, data, steps, lr, prox, anchor, batches, rows, grad_scale)
     if IN_ALGORITHM.get() is not None:
         refuse_inside_algorithm("local_steps")
