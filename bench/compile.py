@@ -37,7 +37,7 @@ from pflcore import ClientData, models, ops
 from pflcore.ops._args import IN_ALGORITHM, refuse_inside_algorithm
 from pflcore.ops.local_steps import run_local_steps
 
-from _harness import print_table, warn_if_busy, write_json
+from _harness import print_table, torch_threads, warn_if_busy, write_json
 
 P, C, ROWS, BATCH = 60, 10, 200, 20
 MODEL = models.Softmax(P, C)
@@ -71,10 +71,10 @@ def per_call_ns(fn, calls: int) -> float:
 def bench_hook(calls: int, repeats: int):
     data, theta, b, x, w = small_workload()
     from torch.compiler import is_compiling, is_dynamo_compiling, is_exporting
+    shipped, without = ops.local_steps, local_steps_without_hook  # called alike: local names
     fns = {
-        "ops.local_steps (with the hook)": lambda: ops.local_steps(MODEL, theta, data, steps=1, lr=0.05, batches=b),
-        "the same without the hook": lambda: local_steps_without_hook(MODEL, theta, data, steps=1, lr=0.05,
-                                                                      batches=b),
+        "ops.local_steps (with the hook)": lambda: shipped(MODEL, theta, data, steps=1, lr=0.05, batches=b),
+        "the same without the hook": lambda: without(MODEL, theta, data, steps=1, lr=0.05, batches=b),
         "the branch's test": lambda: is_dynamo_compiling() or is_exporting(),
         "torch.compiler.is_compiling()": lambda: is_compiling(),
         "matmul [200, 60] @ [60, 10]": lambda: x @ w,
@@ -88,13 +88,20 @@ def bench_hook(calls: int, repeats: int):
     return {k: v / 1000 for k, v in best.items()}  # µs
 
 
-def best_seconds(fn, repeats: int) -> float:
-    out = float("inf")
+def best_alternating(fns, repeats: int, measure):
+    """The best of ``repeats`` measurements of each function, taken in turn (the machine's load
+    then weighs on all of them alike)."""
+    best = [float("inf")] * len(fns)
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        out = min(out, time.perf_counter() - t0)
-    return out
+        for i, fn in enumerate(fns):
+            best[i] = min(best[i], measure(fn))
+    return best
+
+
+def seconds(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def bench_compiled_small(calls: int, repeats: int):
@@ -109,9 +116,9 @@ def bench_compiled_small(calls: int, repeats: int):
     compile_s = time.perf_counter() - t0
     assert torch.equal(a, step(theta.clone())), "compiled local_steps disagrees with eager"
     th = theta.clone()
-    eager_us = min(per_call_ns(lambda: step(th), calls) for _ in range(repeats)) / 1000
-    compiled_us = min(per_call_ns(lambda: compiled(th), calls) for _ in range(repeats)) / 1000
-    return compile_s, eager_us, compiled_us
+    eager_ns, compiled_ns = best_alternating([lambda: step(th), lambda: compiled(th)], repeats,
+                                             lambda fn: per_call_ns(fn, calls))
+    return compile_s, eager_ns / 1000, compiled_ns / 1000
 
 
 def bench_compiled_round(m: int, repeats: int):
@@ -135,8 +142,8 @@ def bench_compiled_round(m: int, repeats: int):
     compile_s = time.perf_counter() - t0
     out_e = fedprox_round(w0, 1)
     assert all(torch.equal(p, q) for p, q in zip(out_c, out_e)), "compiled round disagrees with eager"
-    eager_s = best_seconds(lambda: fedprox_round(w0, 1), repeats)
-    compiled_s = best_seconds(lambda: compiled(w0, 1), repeats)
+    eager_s, compiled_s = best_alternating([lambda: fedprox_round(w0, 1), lambda: compiled(w0, 1)], repeats,
+                                           seconds)
     return compile_s, eager_s, compiled_s
 
 
@@ -145,20 +152,24 @@ def main():
     ap.add_argument("--calls", type=int, default=20_000, help="calls per timed loop (small calls)")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--clients", type=int, default=1_000, help="clients of the compiled round")
+    ap.add_argument("--threads", type=int, default=None, help="torch's thread count (default: torch's own)")
     ap.add_argument("--quick", action="store_true", help="fewer calls and repeats (a smoke run)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "compile.json"))
     args = ap.parse_args()
     if args.quick:
         args.calls, args.repeats, args.clients = 2_000, 5, 200
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     warn_if_busy()
+    with torch_threads(args.threads or torch.get_num_threads()):
+        run(args)
 
+
+def run(args):
     hook = bench_hook(args.calls, args.repeats)
     with_hook, without = hook["ops.local_steps (with the hook)"], hook["the same without the hook"]
     added = with_hook - without
     matmul = hook["matmul [200, 60] @ [60, 10]"]
     c_small = bench_compiled_small(args.calls // 4, args.repeats)
-    c_round = bench_compiled_round(args.clients, max(3, args.repeats // 3))
+    c_round = bench_compiled_round(args.clients, args.repeats)
 
     rows = [(f"{k} [µs]", None, v, None, None) for k, v in hook.items()]
     rows += [("hook's added cost per call [µs]", None, added, 0.1, "le"),

@@ -28,23 +28,33 @@ be traced, so it runs whole inside the op, as a GLM's kernel does.
 
 What does not carry over from eager code:
 
-- Arrays: torch tensors only. numpy and DLPack arrays (JAX, CuPy), which the eager ops take,
-  are a ValueError when the function is traced.
-- Autograd: the ops have no derivative formulas (their gradients are what ``gradients`` and
+- Arrays: torch tensors only. A numpy or DLPack array (JAX, CuPy), which the eager ops take, is
+  a ValueError naming the argument when the function is traced: with ``fullgraph=True`` the
+  compile fails with it (torch's ``Unsupported``, which quotes it); without, Dynamo runs that
+  frame eagerly, where the op takes the array as usual.
+- Autograd: the ops have no derivative formulas (their derivatives are what ``gradients`` and
   ``hvp`` compute). ``local_steps`` refuses a ``theta`` that requires grad, as in eager code;
-  the outputs of the other ops never require grad, also as in eager code (``theta`` is read as
-  ``theta.detach()``).
-- ``torch.func`` transforms (``vmap``, ``grad``, ``jacrev``) do not apply: the ops batch over
-  model rows themselves (``R`` rows in one call is what ``vmap`` over rows would give), and
-  neither the eager ops nor the custom ops have a batching rule.
+  the other ops read ``theta.detach()``, so their outputs never require grad, also as in eager
+  code. ``torch.ops.pflcore.<op>`` called directly on a tensor that requires grad returns
+  outputs that do, and ``backward`` through them raises torch's "no autograd formula" error.
+- ``torch.func`` transforms do not apply: the eager ops read raw memory, so under ``vmap`` or
+  ``grad`` they raise torch's "Cannot access data pointer" error, and the custom ops have
+  neither a derivative nor a batching rule (``vmap`` over ``torch.ops.pflcore.<op>`` runs
+  torch's slow per-sample fallback, with a warning). The ops batch over model rows themselves:
+  ``R`` rows in one call is what ``vmap`` over rows would give.
 - ``Anderson`` keeps its history in Python state (the slot order, the safeguard's last norm)
   updated by data-dependent branches: ``Anderson.step`` is a graph break under compile (an
-  error with ``fullgraph=True``). Its functional form ``anderson_weights`` is a custom op: keep
-  the residuals ``[k, D]`` and images ``[k, D]`` in tensors and mix with ``pi @ images``.
+  error with ``fullgraph=True``) and runs eagerly. Its functional form ``anderson_weights`` is a
+  custom op: keep residuals ``[k, D]`` and images ``[k, D]`` in tensors and mix with
+  ``pi @ images``.
 - ``kmeans``: its Lloyd loop stops on data-dependent tests and returns Python numbers; it is a
-  graph break under compile, ``kmeans_assign`` is a custom op.
+  graph break that runs eagerly, like ``Anderson.step``; ``kmeans_assign`` is a custom op.
 - The ``<op>_ref`` functions set the backend in a context variable, which Dynamo does not trace:
   wrap the compiled call in ``with pflcore.backend.use("reference"):`` instead.
+- Per-call cost: a compiled function pays torch's runtime wrappers on every call, and a custom
+  op's Python dispatch on every op call, tens of µs; ``local_steps`` more (torch bumps the
+  version of a mutated argument after matching all 18 schema arguments, in Python). Compile the
+  code around large calls, not a loop of tiny ones (``bench/compile.py`` has the figures).
 """
 import contextvars
 import functools
