@@ -20,8 +20,8 @@
     anchor, ``evaluate``, ``average``) compiled vs eager, where the ops' own work dominates. The
     compiled results are checked bitwise against eager first.
 
-    python bench/compile.py            # ~1 minute (two compilations)
-    python bench/compile.py --quick    # fewer calls and repeats
+    python bench/compile.py --threads 1   # ~1 minute (two compilations); how the README's figures ran
+    python bench/compile.py --quick       # fewer calls and repeats
 
 Writes ``--out`` (default bench/results/compile.json).
 """
@@ -31,13 +31,31 @@ import argparse
 import os
 import time
 
-import torch
 
-from pflcore import ClientData, models, ops
-from pflcore.ops._args import IN_ALGORITHM, refuse_inside_algorithm
-from pflcore.ops.local_steps import run_local_steps
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--calls", type=int, default=20_000, help="calls per timed loop (small calls)")
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--clients", type=int, default=1_000, help="clients of the compiled round")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="threads of torch and OpenMP (pflcore's kernels, Inductor's); default: theirs")
+    ap.add_argument("--quick", action="store_true", help="fewer calls and repeats (a smoke run)")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "compile.json"))
+    return ap
 
-from _harness import print_table, torch_threads, warn_if_busy, write_json
+
+if __name__ == "__main__":
+    ARGS = parser().parse_args()
+    if ARGS.threads:  # before torch and the OpenMP runtime start
+        os.environ["OMP_NUM_THREADS"] = str(ARGS.threads)
+
+import torch  # noqa: E402
+
+from pflcore import ClientData, models, ops  # noqa: E402
+from pflcore.ops._args import IN_ALGORITHM, refuse_inside_algorithm  # noqa: E402
+from pflcore.ops.local_steps import run_local_steps  # noqa: E402
+
+from _harness import print_table, torch_threads, warn_if_busy, write_json  # noqa: E402
 
 P, C, ROWS, BATCH = 60, 10, 200, 20
 MODEL = models.Softmax(P, C)
@@ -147,15 +165,7 @@ def bench_compiled_round(m: int, repeats: int):
     return compile_s, eager_s, compiled_s
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--calls", type=int, default=20_000, help="calls per timed loop (small calls)")
-    ap.add_argument("--repeats", type=int, default=15)
-    ap.add_argument("--clients", type=int, default=1_000, help="clients of the compiled round")
-    ap.add_argument("--threads", type=int, default=None, help="torch's thread count (default: torch's own)")
-    ap.add_argument("--quick", action="store_true", help="fewer calls and repeats (a smoke run)")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "compile.json"))
-    args = ap.parse_args()
+def main(args):
     if args.quick:
         args.calls, args.repeats, args.clients = 2_000, 5, 200
     warn_if_busy()
@@ -190,4 +200,4 @@ def run(args):
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)
