@@ -147,18 +147,30 @@ def _timed_evaluations(run_module, peaks, store):
     return original
 
 
-def _timed_rounds(algorithm, peaks):
-    """Give each round of ``algorithm`` its own memory phase (an instance attribute shadows the
-    class's method; run calls ``algorithm.round``)."""
-    method = algorithm.round
+def _round_function(run_module):
+    """What run times as a round: its ``_round`` (the algorithm's round plus run's checks of
+    the new state) when it has one, else the algorithm's ``round``."""
+    inner = getattr(run_module, "_round", None)
+    if inner is not None:
+        return inner, lambda alg, state, ctx, t: inner(alg, state, ctx, t, None)
+    return None, lambda alg, state, ctx, t: type(alg).round(alg, state, ctx, t)
 
-    def round_(state, ctx, t):
+
+def _timed_rounds(run_module, peaks):
+    """Give each round its own memory phase (wrapping run's ``_round``); returns a function
+    that undoes it. Without ``_round`` (a later run.py), rounds get no phase of their own."""
+    inner, _ = _round_function(run_module)
+    if inner is None:
+        return lambda: None
+
+    def round_(algorithm, state, ctx, t, saved):
         before = peaks.start(tidy=False)  # inside run's timing: only the cheap reset
-        state = method(state, ctx, t)
+        state = inner(algorithm, state, ctx, t, saved)
         peaks.stop(f"{algorithm.name} round {t}", before)
         return state
 
-    algorithm.round = round_
+    run_module._round = round_
+    return lambda: setattr(run_module, "_round", inner)
 
 
 def _profile(fn, top: int = 25) -> list:
@@ -197,7 +209,7 @@ def worker(m: int, rounds: int, cohort: int, profile: bool, threads: int) -> dic
            "torch_threads": torch.get_num_threads(), "peak_reset_per_phase": peaks.resettable, "algorithms": {}}
     for alg in algorithms():
         evals: list = []
-        _timed_rounds(alg, peaks)
+        undo_rounds = _timed_rounds(run_module, peaks)
         original = _timed_evaluations(run_module, peaks, evals)
         first = len(peaks.phases)
         try:
@@ -208,6 +220,7 @@ def worker(m: int, rounds: int, cohort: int, profile: bool, threads: int) -> dic
             wall = time.perf_counter() - t0
         finally:
             run_module.evaluate_round = original
+            undo_rounds()
         mine = peaks.phases[first:]
         train_s = sorted(h["seconds"] for h in res.history[1:])
         eval_s = sorted(evals)
@@ -217,7 +230,7 @@ def worker(m: int, rounds: int, cohort: int, profile: bool, threads: int) -> dic
             "evaluate_s": eval_s[len(eval_s) // 2], "evaluate_s_all": evals,
             "round_with_eval_s": train_s[len(train_s) // 2] + eval_s[len(eval_s) // 2], "run_wall_s": wall,
             "rss_before": start, "peak_rss": max(p["peak"] for p in mine),
-            "peak_added_round": max(p["peak_added"] for p in mine if " round " in p["phase"]),
+            "peak_added_round": max((p["peak_added"] for p in mine if " round " in p["phase"]), default=None),
             "peak_added_evaluate": max(p["peak_added"] for p in mine if "evaluate" in p["phase"]),
             "state_bytes": sum(t.numel() * t.element_size() for t in vars(res.state).values()
                                if isinstance(t, torch.Tensor)),
@@ -225,15 +238,15 @@ def worker(m: int, rounds: int, cohort: int, profile: bool, threads: int) -> dic
         }
         del res
         if profile:
-            row["algorithms"][alg.name]["profile"] = profile_one(alg, fed, model, cohort, rounds)
+            row["algorithms"][alg.name]["profile"] = profile_one(alg, fed, model, cohort, rounds, run_module)
     row["peak_rss"] = peaks.overall
     row["phases"] = peaks.phases
     return row
 
 
-def profile_one(alg, fed, model, cohort: int, rounds: int) -> dict:
-    """cProfile of one more round and one evaluation on a fresh context (the round's clients
-    are round ``rounds + 1``'s)."""
+def profile_one(alg, fed, model, cohort: int, rounds: int, run_module) -> dict:
+    """cProfile of one more round (as run times it: with its checks of the new state) and one
+    evaluation, on a fresh context (the round's clients are round ``rounds + 1``'s)."""
     import torch
 
     from pflcore.algorithms.base import Context
@@ -243,7 +256,7 @@ def profile_one(alg, fed, model, cohort: int, rounds: int) -> dict:
     state = alg.init(ctx)
     holder = {}
     t = rounds + 1
-    round_ = type(alg).round  # the class's method, not the instance's memory wrapper
+    _, round_ = _round_function(run_module)
     return {"round": _profile(lambda: holder.setdefault("s", round_(alg, state, ctx, t))),
             "evaluate": _profile(lambda: evaluate_round(alg, holder["s"], ctx, t))}
 
@@ -296,14 +309,19 @@ def _gb(b: float) -> str:
 
 
 def table(rows: list) -> str:
-    head = ("| clients | rows | data GB | generate s | FedAvg s/round | + eval s | pFedMe s/round | + eval s "
-            "| peak RSS GB | peak / data |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    """Markdown: per m the data, the generator's cost, and per algorithm seconds per round of
+    training, seconds per evaluation of all clients, and the run's peak RSS."""
+    head = ("| clients | rows | data GB | generate s | generate peak GB (added / data) | FedAvg s/round | FedAvg eval s "
+            "| FedAvg peak GB | pFedMe s/round | pFedMe eval s | pFedMe peak GB (state GB) |\n"
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     lines = [head]
     for r in rows:
         fa, pm = r["algorithms"]["FedAvg"], r["algorithms"]["pFedMe"]
-        lines.append(f"| {r['m']:,} | {r['rows']:,} | {_gb(r['data_bytes'])} | {r['generate_s']:.2f} "
-                     f"| {fa['round_s']:.4f} | {fa['evaluate_s']:.4f} | {pm['round_s']:.4f} | {pm['evaluate_s']:.4f} "
-                     f"| {_gb(r['peak_rss'])} | {r['peak_rss'] / r['data_bytes']:.2f} |")
+        gen_peak = r["baseline_rss"] + r["generate_peak_added"]
+        lines.append(f"| {r['m']:,} | {r['rows']:,} | {_gb(r['data_bytes'])} | {r['generate_s']:.1f} "
+                     f"| {_gb(gen_peak)} ({r['generate_peak_added'] / r['data_bytes']:.2f}) "
+                     f"| {fa['round_s']:.3f} | {fa['evaluate_s']:.3f} | {_gb(fa['peak_rss'])} "
+                     f"| {pm['round_s']:.3f} | {pm['evaluate_s']:.3f} | {_gb(pm['peak_rss'])} ({_gb(pm['state_bytes'])}) |")
     return "\n".join(lines)
 
 
@@ -321,10 +339,12 @@ def plot(rows: list, path: str) -> None:
         a.plot(ms, [r["algorithms"][name]["round_s"] for r in rows], style, label=f"{name}: round")
         a.plot(ms, [r["algorithms"][name]["evaluate_s"] for r in rows], style[0] + "--", alpha=0.5,
                label=f"{name}: evaluation (all clients)")
+    cohort = rows[-1]["cohort"]
     a.set(xscale="log", yscale="log", xlabel="clients m", ylabel="seconds",
-          title=f"1,000 clients per round, 20 rows each")
+          title=f"{cohort:,} clients per round, 20 rows each, {rows[-1]['torch_threads']} thread(s)")
     a.legend(fontsize=8)
     b.plot(ms, [r["data_bytes"] / 1e9 for r in rows], "k:", label="data (x, y, offsets, truth)")
+    b.plot(ms, [1.5 * r["data_bytes"] / 1e9 for r in rows], "k--", alpha=0.4, label="1.5x data")
     b.plot(ms, [r["generate_peak_added"] / 1e9 + r["baseline_rss"] / 1e9 for r in rows], "^-",
            label="peak RSS after generating")
     b.plot(ms, [r["peak_rss"] / 1e9 for r in rows], "v-", label="peak RSS of the process")
