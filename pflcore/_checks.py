@@ -19,6 +19,9 @@ import torch
 from pflcore.errors import NonFiniteError
 
 FLOAT_DTYPES = (torch.float32, torch.float64)
+# Largest step, batch or iteration count an op takes: the kernels count in int64, and a count
+# past this would run for years anyway.
+MAX_COUNT = 2**31 - 1
 
 
 def dtype_str(dtype: torch.dtype) -> str:
@@ -117,6 +120,6 @@ def overlaps(t: torch.Tensor, lo: int, hi: int) -> bool:
     return a < hi and lo < a + t.numel() * t.element_size() and t.numel() > 0
 
 
-__all__ = ["FLOAT_DTYPES", "NonFiniteError", "byte_range", "check_contiguous", "check_device", "check_dtype",
+__all__ = ["FLOAT_DTYPES", "MAX_COUNT", "NonFiniteError", "byte_range", "check_contiguous", "check_device", "check_dtype",
            "check_finite", "check_float", "check_positive_int", "check_real", "check_shape", "dtype_str",
            "overlaps", "shape_str"]

@@ -261,12 +261,12 @@ def test_ifca_recovers_three_true_clusters(seed):
 
 @pytest.mark.parametrize("make, match", [
     (lambda: Ditto(-1, lr=0.1), r"Ditto: lam must be >= 0, got -1"),
-    (lambda: Ditto(1, lr=0.1, personal_steps=0), r"Ditto: personal_steps must be an integer >= 1, got 0"),
+    (lambda: Ditto(1, lr=0.1, personal_steps=0), r"Ditto: personal_steps must be an integer in \[1, 2147483647\], got 0"),
     (lambda: Ditto(100, lr=0.1), r"Ditto: personal_lr·lam must be < 2"),
     (lambda: APFL(1.5, lr=0.1), r"APFL: alpha must be in \[0, 1\]"),
     (lambda: APFL(0.5, lr=0.1, alpha_lr=0), r"APFL: alpha_lr must be > 0, got 0"),
-    (lambda: APFL(0.5, lr=0.1, batch_size=2.5), r"APFL: batch_size must be an integer >= 1, got 2.5"),
-    (lambda: IFCA(0, lr=0.1), r"IFCA: num_clusters must be an integer >= 1, got 0"),
+    (lambda: APFL(0.5, lr=0.1, batch_size=2.5), r"APFL: batch_size must be an integer in \[1, 2147483647\], got 2.5"),
+    (lambda: IFCA(0, lr=0.1), r"IFCA: num_clusters must be an integer in \[1, 2147483647\], got 0"),
     (lambda: IFCA(2, lr=0.1, init="kmeans"), r"IFCA: init must be 'random' or a \[K, d\] tensor"),
     (lambda: IFCA(2, lr=0.1, init=torch.zeros(3, 4)), r"tensor with K = 2, got \[3, 4\]"),
     (lambda: L2SGD(1.0, p=1.0, lr=0.1), r"L2SGD: p must be in \(0, 1\)"),

@@ -399,3 +399,28 @@ def test_numpy_in_numpy_out_unchanged():
 def test_an_object_that_is_no_array_is_named():
     with pytest.raises(ValueError, match=r"^points: expected an array .*got list"):
         ops.kmeans_assign([[1.0, 2.0]], torch.zeros(1, 2))
+
+
+def test_rows_shorter_or_longer_than_theta_are_refused():
+    """The kernels index rows[r] for every row r of theta: a rows array of another length must be
+    refused before they run (found by the fuzz suite: a tuple rows=(1,) beside a 2-row theta)."""
+    model = models.Softmax(3, 2)
+    data = make_data(model, [3, 4, 2], torch.float32)
+    for op in (lambda r: ops.evaluate(model, model.zeros(2), data, rows=r),
+               lambda r: ops.gradients(model, model.zeros(2), data, rows=r),
+               lambda r: ops.local_steps(model, model.zeros(2), data, steps=1, lr=0.1, rows=r)):
+        for rows in ((1,), [0, 1, 2], torch.tensor([2])):
+            with pytest.raises(ValueError, match=r"^rows: expected one client per row of theta, i\.e\. shape \[2\], "):
+                op(rows)
+
+
+def test_counts_are_bounded_where_the_kernels_count_in_int64():
+    model = models.Softmax(3, 2)
+    data = make_data(model, [3, 4], torch.float32)
+    with pytest.raises(ValueError, match=r"^steps: expected an integer in \[0, 2147483647\], got 9223372036854775808"):
+        ops.local_steps(model, model.zeros(2), data, steps=2**63, lr=0.1)
+    with pytest.raises(ValueError, match=r"^memory: expected an integer in \[0, 1024\]"):
+        ops.Anderson(memory=2**63)
+    with pytest.raises(ValueError, match=r"^seed: expected an integer in \[0, 2\*\*64\), got 1180591620717411303424"):
+        ops.kmeans(torch.randn(5, 2), 2, seed=2**70)
+    assert ops.kmeans(torch.randn(5, 2), 2, seed=2**64 - 1).centroids.shape == (2, 2)

@@ -69,7 +69,7 @@ def test_local_steps_rejects_bad_options():
     model, data, theta = _setup()
     for kw, match in [
         (dict(lr=0.0), r"lr: expected a number > 0"), (dict(lr=float("nan")), r"lr: expected a finite"),
-        (dict(prox=-1.0), r"prox: expected a number >= 0"), (dict(steps=-1), r"steps: expected an integer >= 0"),
+        (dict(prox=-1.0), r"prox: expected a number >= 0"), (dict(steps=-1), r"steps: expected an integer in \[0, 2147483647\]"),
         (dict(steps=1.5), r"steps: expected an integer"),
         (dict(anchor=torch.zeros(14)), r"anchor: expected shape \[d\] = \[15\], got \[14\]"),
         (dict(anchor=torch.zeros(2, 15)), r"anchor: expected shape \[R, d\] or \[d\] = \[3, 15\], got \[2, 15\]"),
@@ -119,7 +119,7 @@ def test_kmeans_anderson_average_sampling_reject_bad_input():
         ops.anderson_weights(torch.zeros(4))
     with pytest.raises(ValueError, match=r"tu: expected shape the shape of u"):
         ops.Anderson().step(torch.zeros(3), torch.zeros(4))
-    with pytest.raises(ValueError, match=r"memory: expected an integer >= 0"):
+    with pytest.raises(ValueError, match=r"memory: expected an integer in \[0, 1024\]"):
         ops.Anderson(memory=-1)
     with pytest.raises(ValueError, match=r"weights: expected shape \[m\] = \[5\], got \[4\]"):
         ops.average(pts, torch.ones(4))
@@ -128,14 +128,14 @@ def test_kmeans_anderson_average_sampling_reject_bad_input():
     _, data, _ = _setup()
     with pytest.raises(ValueError, match=r"seed: expected an integer in \[0, 2\*\*32\)"):
         ops.sample_batches(data, steps=1, batch_size=2, seed=-1, counter=0)
-    with pytest.raises(ValueError, match=r"batch_size: expected an integer >= 1"):
+    with pytest.raises(ValueError, match=r"batch_size: expected an integer in \[1, 2147483647\]"):
         ops.sample_batches(data, steps=1, batch_size=0, seed=0, counter=0)
 
 
 def test_models_reject_bad_hyperparameters():
-    with pytest.raises(ValueError, match=r"p: expected an integer >= 1"):
+    with pytest.raises(ValueError, match=r"p: expected an integer in \[1, 2147483647\]"):
         models.Softmax(0, 3)
-    with pytest.raises(ValueError, match=r"l2: expected a finite number >= 0"):
+    with pytest.raises(ValueError, match=r"l2: expected a number >= 0"):
         models.Logistic(3, l2=-1)
     with pytest.raises(ValueError, match=r"model: expected a GLM"):
         ops.local_steps("softmax", np.zeros((3, 15), np.float32), _setup()[1], steps=1, lr=0.1)

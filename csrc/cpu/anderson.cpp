@@ -12,6 +12,8 @@
 namespace pflcore::cpu {
 namespace {
 constexpr int64_t kBlock = 8192;
+// One block (D <= kBlock) runs on the calling thread: waking the team for it costs more than
+// the pass, and a team that must wait for a descheduled thread (a busy machine) costs far more.
 inline int64_t num_blocks(int64_t D) { return (D + kBlock - 1) / kBlock; }
 }  // namespace
 
@@ -22,7 +24,7 @@ void anderson_push(const T* u, const T* tu, T* R_hist, T* TU_hist, int64_t D, in
   std::vector<double> partial(nb * k, 0.0);
   T* r_new = R_hist + slot * D;
   T* tu_new = TU_hist + slot * D;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (nb > 1)
   for (int64_t blk = 0; blk < nb; ++blk) {
     const int64_t e0 = blk * kBlock, e1 = std::min(D, e0 + kBlock);
 #pragma omp simd
@@ -48,7 +50,7 @@ void anderson_push(const T* u, const T* tu, T* R_hist, T* TU_hist, int64_t D, in
 template <typename T>
 void anderson_mix(const T* TU_hist, int64_t D, const int64_t* slots, const double* pi, int64_t k,
                   T* out) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (D > kBlock)
   for (int64_t e0 = 0; e0 < D; e0 += kBlock) {
     const int64_t e1 = std::min(D, e0 + kBlock);
     double acc[kBlock];
@@ -68,7 +70,7 @@ void gram(const T* vecs, int64_t k, int64_t D, double* G) {
   const int64_t nb = num_blocks(D);
   const int64_t pairs = k * (k + 1) / 2;
   std::vector<double> partial(nb * pairs, 0.0);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (nb > 1)
   for (int64_t blk = 0; blk < nb; ++blk) {
     const int64_t e0 = blk * kBlock, e1 = std::min(D, e0 + kBlock);
     int64_t q = 0;

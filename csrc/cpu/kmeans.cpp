@@ -157,7 +157,7 @@ void kmeans_update(const T* points, const int64_t* labels, const T* weights, int
   // Each thread owns a slice of the columns and walks the points in order, so every sum
   // has a fixed order whatever the thread count.
   constexpr int64_t kCols = 64;
-#pragma omp parallel
+#pragma omp parallel if (N * d > (1 << 16))
   {
     std::vector<double> acc(K * kCols);
 #pragma omp for schedule(static)

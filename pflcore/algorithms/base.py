@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from pflcore import distributed, ops
+from pflcore._checks import MAX_COUNT
 from pflcore.data.federation import Federation
 from pflcore.models.glm import GLM
 
@@ -223,8 +224,10 @@ def positive(value, name: str, algorithm: str, *, allow_zero: bool = False) -> f
 
 
 def count_int(value, name: str, algorithm: str, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{algorithm}: {name} must be an integer >= {minimum}, got {value!r}")
+    """A step, round or batch count: an integer in [minimum, 2**31) (past that a count overflows the
+    kernels' int64 arithmetic, or a loop over it would never end)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= MAX_COUNT:
+        raise ValueError(f"{algorithm}: {name} must be an integer in [{minimum}, {MAX_COUNT}], got {value!r}")
     return value
 
 

@@ -6,9 +6,11 @@ objective is ``f_i(θ) = mean loss over the client's rows + l2/2·‖θ‖²``.
 """
 from __future__ import annotations
 
-import math
-
 import torch
+
+from pflcore._checks import check_real
+
+MAX_SIZE = 2**31 - 1
 
 # Must match enum pflcore::Family in csrc/include/pflcore/common.h.
 FAMILY_CODE = {"least_squares": 0, "logistic": 1, "softmax": 2}
@@ -24,13 +26,12 @@ class GLM:
         raise AttributeError(f"{type(self).__name__} is immutable: build a new model instead of setting {name!r}")
 
     def __init__(self, p: int, C: int, *, l2: float = 0.0, fit_intercept: bool = True):
-        if isinstance(p, bool) or not isinstance(p, int) or p < 1:
-            raise ValueError(f"p: expected an integer >= 1 (features), got {p!r}")
-        if isinstance(C, bool) or not isinstance(C, int) or C < 1:
-            raise ValueError(f"C: expected an integer >= 1 (outputs), got {C!r}")
-        l2 = float(l2)
-        if not math.isfinite(l2) or l2 < 0:
-            raise ValueError(f"l2: expected a finite number >= 0, got {l2!r}")
+        # sizes past 2**31 could not be allocated anyway; bounded here so the error names them
+        if isinstance(p, bool) or not isinstance(p, int) or not 1 <= p <= MAX_SIZE:
+            raise ValueError(f"p: expected an integer in [1, {MAX_SIZE}] (features), got {p!r}")
+        if isinstance(C, bool) or not isinstance(C, int) or not 1 <= C <= MAX_SIZE:
+            raise ValueError(f"C: expected an integer in [1, {MAX_SIZE}] (outputs), got {C!r}")
+        l2 = check_real(l2, "l2", minimum=0.0)
         P = p + int(bool(fit_intercept))
         self.__dict__.update(p=p, C=C, l2=l2, fit_intercept=bool(fit_intercept),
                              P=P,        # rows of the parameter layout: features plus the intercept row

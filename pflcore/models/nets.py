@@ -25,10 +25,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pflcore._checks import check_real
+
+MAX_SIZE = 2**31 - 1
+
 
 def _positive_int(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}: expected an integer >= 1, got {value!r}")
+    # sizes past 2**31 could not be allocated anyway; bounded here so the error names the argument
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SIZE:
+        raise ValueError(f"{name}: expected an integer in [1, {MAX_SIZE}], got {value!r}")
     return value
 
 
@@ -55,10 +60,7 @@ class TorchNet:
         self.C = _positive_int(C, "C")
         if self.C < 2:
             raise ValueError(f"C: a classifier net needs at least 2 classes, got {C!r}")
-        l2 = float(l2)
-        if not math.isfinite(l2) or l2 < 0:
-            raise ValueError(f"l2: expected a finite number >= 0, got {l2!r}")
-        self.l2 = l2
+        self.l2 = check_real(l2, "l2", minimum=0.0)
 
     # ---- subclasses -------------------------------------------------------------------------
 

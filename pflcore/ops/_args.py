@@ -67,11 +67,11 @@ def same_device(t: torch.Tensor, x: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name}: expected a tensor on {x.device} (where the data is), got {t.device}")
 
 
-def theta_arg(theta, model, x: torch.Tensor, m: int, rows_given: bool, *, inplace: bool,
+def theta_arg(theta, model, x: torch.Tensor, m: int, rows: Optional[torch.Tensor], *, inplace: bool,
               name: str = "theta") -> Tuple[torch.Tensor, Kind]:
-    """The parameters [R, d] as a tensor and how to return results. ``inplace``: the op writes
-    into it, so it must be contiguous and writable; an immutable foreign array (JAX) is copied
-    and a new one is returned."""
+    """The parameters [R, d] as a tensor and how to return results: R = m without ``rows``, else
+    one row per entry of ``rows``. ``inplace``: the op writes into it, so it must be contiguous
+    and writable; an immutable foreign array (JAX) is copied and a new one is returned."""
     if type(theta) is torch.Tensor:
         t, kind = theta, TORCH
         if not (t.is_cpu and x.is_cpu):
@@ -83,8 +83,11 @@ def theta_arg(theta, model, x: torch.Tensor, m: int, rows_given: bool, *, inplac
     if not (t.is_cpu and x.is_cpu):
         same_device(t, x, name)
     ts = t.shape
-    if len(ts) != 2 or ts[1] != model.d or (not rows_given and ts[0] != m):
-        check_shape(t, name, (None if rows_given else m, model.d), "[R, d]" if rows_given else "[m, d]")
+    R = m if rows is None else rows.numel()
+    if len(ts) != 2 or ts[1] != model.d or ts[0] != R:
+        if rows is not None and len(ts) == 2 and ts[1] == model.d:
+            raise ValueError(f"rows: expected one client per row of {name}, i.e. shape [{ts[0]}], got [{R}]")
+        check_shape(t, name, (R, model.d), "[m, d]" if rows is None else "[R, d]")
     if inplace:
         if not kind.writable:
             if kind.name == "numpy":

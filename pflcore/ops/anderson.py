@@ -65,7 +65,7 @@ class Anderson:
 
     def __init__(self, memory: int = 5, reg: float = 1e-8, safeguard: bool = True,
                  safeguard_factor: float = 10.0):
-        self.memory = check_positive_int(memory, "memory", minimum=0)
+        self.memory = check_positive_int(memory, "memory", minimum=0, maximum=1024)
         self.reg = check_real(reg, "reg", minimum=0.0)
         self.safeguard = bool(safeguard)
         self.safeguard_factor = check_real(safeguard_factor, "safeguard_factor", minimum=1.0)

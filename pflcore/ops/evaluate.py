@@ -15,7 +15,7 @@ def evaluate(model, theta, data, *, rows=None):
     check_model(model)
     x, N, m = check_data(model, data)
     rows_t = rows_arg(rows, x)
-    theta_t, kind = theta_arg(theta, model, x, m, rows_t is not None, inplace=False)
+    theta_t, kind = theta_arg(theta, model, x, m, rows_t, inplace=False)
     out = backend.select("evaluate", model, theta_t).evaluate(model, theta_t, data, rows_t)
     return tuple(from_tensor(t, kind) for t in out)
 

@@ -16,7 +16,7 @@ def gradients(model, theta, data, *, rows=None, batches=None):
     check_model(model)
     x, N, m = check_data(model, data)
     rows_t = rows_arg(rows, x)
-    theta_t, kind = theta_arg(theta, model, x, m, rows_t is not None, inplace=False)
+    theta_t, kind = theta_arg(theta, model, x, m, rows_t, inplace=False)
     batches_t = batches_arg(batches, x, theta_t.shape[0], None)
     out = backend.select("gradients", model, theta_t).gradients(model, theta_t, data, rows_t, batches_t)
     return from_tensor(out, kind)

@@ -15,11 +15,9 @@ def hvp(model, theta, v, data, *, batches, rows=None):
     check_model(model)
     x, N, m = check_data(model, data)
     rows_t = rows_arg(rows, x)
-    theta_t, kind = theta_arg(theta, model, x, m, rows_t is not None, inplace=False)
+    theta_t, kind = theta_arg(theta, model, x, m, rows_t, inplace=False)
     R = theta_t.shape[0]
-    v_t, _ = theta_arg(v, model, x, R, True, inplace=False, name="v")
-    if v_t.shape[0] != R:
-        raise ValueError(f"v: expected shape [R, d] = [{R}, {model.d}] (the shape of theta), got {list(v_t.shape)}")
+    v_t, _ = theta_arg(v, model, x, R, None, inplace=False, name="v")
     if batches is None:
         raise ValueError("batches: expected int32 [R, B] minibatch indices (ops.sample_batches), got None")
     batches_t = batches_arg(batches, x, R, None)

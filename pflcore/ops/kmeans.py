@@ -21,7 +21,7 @@ import torch
 
 from pflcore import backend
 from pflcore._arrays import from_tensor, to_tensor
-from pflcore._checks import check_float, check_positive_int, check_real, check_shape
+from pflcore._checks import MAX_COUNT, check_float, check_positive_int, check_real, check_shape
 from pflcore._comm import Comm
 from pflcore.errors import NonFiniteError
 from pflcore.ops._args import same_device
@@ -193,7 +193,7 @@ def kmeans(points, k=None, *, init="k-means++", iters: int = 100, tol: float = 1
            weights=None, comm: Optional[Comm] = None) -> KMeans:
     """Lloyd's k-means on ``points [N, d]``.
 
-    ``init`` is "k-means++" (seeded by ``seed``, an integer in [0, 2**63)) or ``[k, d]``
+    ``init`` is "k-means++" (seeded by ``seed``, an integer in [0, 2**64)) or ``[k, d]``
     starting centroids (a warm start; ``k`` may then be omitted). Iteration stops after
     ``iters`` updates, when no label changes, or when the squared centroid shift falls below
     ``tol`` times the total variance of the points. ``weights [N]`` are sample weights. The
@@ -216,10 +216,10 @@ def kmeans(points, k=None, *, init="k-means++", iters: int = 100, tol: float = 1
         if k is not None and init_t.shape[0] != k:
             raise ValueError(f"init: expected {k} centroids (k), got {init_t.shape[0]}")
         k = init_t.shape[0]
-    iters = check_positive_int(iters, "iters", minimum=0)
+    iters = check_positive_int(iters, "iters", minimum=0, maximum=MAX_COUNT)
     tol = check_real(tol, "tol", minimum=0.0)
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**63:
-        raise ValueError(f"seed: expected an integer in [0, 2**63), got {seed!r}")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**64:
+        raise ValueError(f"seed: expected an integer in [0, 2**64), got {seed!r}")
     w = None
     if weights is not None:
         w, _ = to_tensor(weights, "weights")

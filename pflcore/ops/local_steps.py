@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pflcore import backend
 from pflcore._arrays import TORCH, from_tensor, to_tensor
-from pflcore._checks import check_float, check_positive_int, check_real, check_shape
+from pflcore._checks import MAX_COUNT, check_float, check_positive_int, check_real, check_shape
 from pflcore.ops._args import (apart_from, batches_arg, check_data, check_model, rows_arg, same_device, theta_arg,
                                vector_arg)
 
@@ -60,11 +60,11 @@ def local_steps(model, theta, data, *, steps, lr, prox=0.0, anchor=None, batches
     """
     check_model(model)
     x, N, m = check_data(model, data)
-    steps = check_positive_int(steps, "steps", minimum=0)
+    steps = check_positive_int(steps, "steps", minimum=0, maximum=MAX_COUNT)
     lr = check_real(lr, "lr", minimum=0.0, strict=True)
     prox = check_real(prox, "prox", minimum=0.0)
     rows_t = rows_arg(rows, x)
-    theta_t, kind = theta_arg(theta, model, x, m, rows_t is not None, inplace=True)
+    theta_t, kind = theta_arg(theta, model, x, m, rows_t, inplace=True)
     R, d = theta_t.shape
     anchor_t = _anchor(anchor, x, R, d)
     batches_t = batches_arg(batches, x, R, steps)

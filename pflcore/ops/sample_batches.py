@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from pflcore import backend
-from pflcore._checks import check_positive_int
+from pflcore._checks import MAX_COUNT, check_positive_int
 from pflcore.client_data import ClientData
 from pflcore.ops._args import rows_arg
 
@@ -31,8 +31,8 @@ def sample_batches(data, *, steps, batch_size, seed, counter, clients=None):
     draws what the whole federation draws for the same clients."""
     if not isinstance(data, ClientData):
         raise ValueError(f"data: expected a pflcore.ClientData, got {type(data).__name__}")
-    steps = check_positive_int(steps, "steps", minimum=0)
-    B = check_positive_int(batch_size, "batch_size")
+    steps = check_positive_int(steps, "steps", minimum=0, maximum=MAX_COUNT)
+    B = check_positive_int(batch_size, "batch_size", maximum=MAX_COUNT)
     seed, counter = _check_u32(seed, "seed"), _check_u32(counter, "counter")
     x, off = data.x, data.offsets
     if x.shape[0] >= 2**31:
