@@ -226,7 +226,8 @@ def worker(m: int, rounds: int, cohort: int, profile: bool, threads: int) -> dic
         eval_s = sorted(evals)
         last = res.history[-1]
         row["algorithms"][alg.name] = {
-            "repr": repr(alg), "round_s": train_s[len(train_s) // 2], "round_s_all": [h["seconds"] for h in res.history[1:]],
+            "repr": repr(alg), "round_s": train_s[len(train_s) // 2],
+            "round_s_all": [h["seconds"] for h in res.history[1:]],
             "evaluate_s": eval_s[len(eval_s) // 2], "evaluate_s_all": evals,
             "round_with_eval_s": train_s[len(train_s) // 2] + eval_s[len(eval_s) // 2], "run_wall_s": wall,
             "rss_before": start, "peak_rss": max(p["peak"] for p in mine),
@@ -311,7 +312,8 @@ def _gb(b: float) -> str:
 def table(rows: list) -> str:
     """Markdown: per m the data, the generator's cost, and per algorithm seconds per round of
     training, seconds per evaluation of all clients, and the run's peak RSS."""
-    head = ("| clients | rows | data GB | generate s | generate peak GB (added / data) | FedAvg s/round | FedAvg eval s "
+    head = ("| clients | rows | data GB | generate s | generate peak GB (added / data) | FedAvg s/round "
+            "| FedAvg eval s "
             "| FedAvg peak GB | pFedMe s/round | pFedMe eval s | pFedMe peak GB (state GB) |\n"
             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     lines = [head]
@@ -321,7 +323,8 @@ def table(rows: list) -> str:
         lines.append(f"| {r['m']:,} | {r['rows']:,} | {_gb(r['data_bytes'])} | {r['generate_s']:.1f} "
                      f"| {_gb(gen_peak)} ({r['generate_peak_added'] / r['data_bytes']:.2f}) "
                      f"| {fa['round_s']:.3f} | {fa['evaluate_s']:.3f} | {_gb(fa['peak_rss'])} "
-                     f"| {pm['round_s']:.3f} | {pm['evaluate_s']:.3f} | {_gb(pm['peak_rss'])} ({_gb(pm['state_bytes'])}) |")
+                     f"| {pm['round_s']:.3f} | {pm['evaluate_s']:.3f} "
+                     f"| {_gb(pm['peak_rss'])} ({_gb(pm['state_bytes'])}) |")
     return "\n".join(lines)
 
 

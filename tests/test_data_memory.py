@@ -29,7 +29,8 @@ PINNED = [
     ("synthetic", dict(alpha=0.0, beta=0.5, num_clients=30, dim=9, num_classes=4, iid=True, size_scale=1,
                        max_size=120, seed=1), "bfe0a3e56fcfb8d2"),
     ("synthetic", dict(alpha=0.5, beta=0.5, num_clients=3000, size_scale=1, max_size=20, seed=4), "fe39610d012bb0d0"),
-    ("synthetic", dict(alpha=2.0, beta=0.0, num_clients=1, dim=3, num_classes=2, max_size=2, seed=5), "98408d20fdd06a03"),
+    ("synthetic", dict(alpha=2.0, beta=0.0, num_clients=1, dim=3, num_classes=2, max_size=2, seed=5),
+     "98408d20fdd06a03"),
     ("logistic_truth", dict(), "5063e9bdaf712139"),
     ("logistic_truth", dict(num_clients=10, samples_per_client=200, dim=20, seed=0), "62437f43002f64b3"),
     ("logistic_truth", dict(num_clients=10, samples_per_client=1000, dim=100, R=0.1, dtype="float64"),
@@ -176,3 +177,33 @@ def test_peak_memory_close_to_the_data():
     for gen, peak, nbytes in json.loads(proc.stdout.strip().splitlines()[-1]):
         assert nbytes > 30e6, (gen, nbytes)  # large enough for the ratio to mean something
         assert peak <= 1.5 * nbytes, f"{gen}: peak {peak / 1e6:.0f} MB for {nbytes / 1e6:.0f} MB of data"
+
+
+# ----------------------------------------------------------------------------- sizes and overflow
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: data.least_squares(samples_per_client=2 ** 63), r"samples_per_client: expected an integer in \[2, "),
+    (lambda: data.synthetic(0.5, 0.5, num_clients=2 ** 40), r"num_clients: expected an integer in \[1, "),
+    (lambda: data.contexts(sizes=(2, 2 ** 40)), r"sizes: expected \(low, high\) integers"),
+    # within the bounds, but more than any machine here holds: refused before allocating
+    (lambda: data.synthetic(0.5, 0.5, num_clients=2 ** 31 - 1), r"num_clients, dim, num_classes, size_scale, max_size: "
+                                                                 r"the federation would take .* GB, more than this"),
+    (lambda: data.two_groups(num_clients=2 ** 20, samples_per_client=2 ** 20),
+     r"num_clients, samples_per_client, dim: the federation would take"),
+    (lambda: data.contexts(num_clients=2 ** 30, sizes=(1000, 2000)), r"num_clients, dim, num_classes, sizes: "),
+])
+def test_sizes_beyond_memory_are_refused(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning",
+                            "ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("call, names", [
+    (lambda: data.contexts(num_clients=6, num_contexts=2, dim=3, sizes=(5, 9), client_noise=1e300), "client_noise"),
+    (lambda: data.synthetic(1e300, 0.5, num_clients=3, dim=3, num_classes=2, max_size=10), "alpha, beta"),
+    (lambda: data.least_squares(num_clients=2, samples_per_client=5, dim=2, noise_var=1e300), "shift, noise_var"),
+])
+def test_overflowing_values_name_the_arguments(call, names):
+    with pytest.raises(ValueError, match=f"{names}.*too large for float32"):
+        call()

@@ -19,6 +19,7 @@ the same operands, so the outputs are the same bits as before the blocking
 from __future__ import annotations
 
 import math
+import os
 from typing import Iterator, Optional, Tuple
 
 import numpy as np
@@ -26,7 +27,8 @@ import torch
 
 from pflcore.client_data import ClientData
 from pflcore.data.federation import Federation
-from pflcore._checks import check_positive_int, check_real
+from pflcore._checks import MAX_COUNT, check_positive_int, check_real
+from pflcore.errors import NonFiniteError
 
 _NP_DTYPE = {torch.float32: np.float32, torch.float64: np.float64}
 
@@ -62,6 +64,24 @@ def _check_fraction(test_fraction) -> float:
 def _diag_cov(dim: int) -> np.ndarray:
     """Σ = diag(j^{-1.2}), j = 1..dim (Li et al.)."""
     return np.arange(1, dim + 1, dtype=np.float64) ** -1.2
+
+
+def _check_memory(nbytes: int, names: str) -> None:
+    """A federation that cannot fit in this machine's memory is refused before anything is
+    allocated (instead of an allocation failure, or the system killing the process midway)."""
+    try:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):  # not POSIX: no check
+        return
+    if nbytes > total:
+        raise ValueError(f"{names}: the federation would take {nbytes / 1e9:.3g} GB, more than this machine's "
+                         f"{total / 1e9:.3g} GB of memory")
+
+
+def _federation_bytes(rows: int, m: int, dim: int, truth_d: int, npd, y_bytes: int = 8) -> int:
+    """Bytes of the outputs (x, y, truth, offsets) plus the per-client float64 feature means."""
+    item = np.dtype(npd).itemsize
+    return rows * (dim * item + y_bytes) + m * (truth_d * item + 16 + dim * 8)
 
 
 def _blocks(count: int, width: int) -> Iterator[Tuple[int, int]]:
@@ -155,16 +175,22 @@ class _Rows:
         return x.astype(np.float64, copy=False)
 
     def federation(self, dtype, num_classes: int, truth: np.ndarray, truth_global: Optional[np.ndarray],
-                   name: str, meta: dict) -> Federation:
+                   name: str, meta: dict, scales: str) -> Federation:
+        """The Federation of the filled arrays; ``scales`` names the arguments whose size can
+        make values overflow ``dtype`` (the error names them, not the internal arrays)."""
         def client_data(x, y, off):
             return ClientData(torch.from_numpy(x), torch.from_numpy(y), torch.from_numpy(off.astype(np.int64)))
 
         meta = dict(meta, dtype=str(dtype).replace("torch.", ""))
-        return Federation(client_data(self.x[0], self.y[0], self.train_off),
-                          client_data(self.x[1], self.y[1], self.test_off), num_classes,
-                          truth=torch.from_numpy(truth),
-                          truth_global=None if truth_global is None else torch.from_numpy(truth_global),
-                          name=name, meta=meta)
+        try:
+            return Federation(client_data(self.x[0], self.y[0], self.train_off),
+                              client_data(self.x[1], self.y[1], self.test_off), num_classes,
+                              truth=torch.from_numpy(truth),
+                              truth_global=None if truth_global is None else torch.from_numpy(truth_global),
+                              name=name, meta=meta)
+        except NonFiniteError as exc:
+            raise NonFiniteError(f"{scales}: too large for {str(dtype).replace('torch.', '')}: the generated data "
+                                 f"overflows ({exc})") from None
 
 
 # ----------------------------------------------------------------------------- generators
@@ -195,20 +221,24 @@ def synthetic(alpha: float, beta: float, num_clients: int = 100, dim: int = 60, 
     """
     alpha = check_real(alpha, "alpha", minimum=0.0)
     beta = check_real(beta, "beta", minimum=0.0)
-    m = check_positive_int(num_clients, "num_clients")
-    dim = check_positive_int(dim, "dim")
-    C = check_positive_int(num_classes, "num_classes", minimum=2)
+    m = check_positive_int(num_clients, "num_clients", maximum=MAX_COUNT)
+    dim = check_positive_int(dim, "dim", maximum=MAX_COUNT)
+    C = check_positive_int(num_classes, "num_classes", minimum=2, maximum=MAX_COUNT)
     seed = check_positive_int(seed, "seed", minimum=0)
-    size_scale = check_positive_int(size_scale, "size_scale")
+    size_scale = check_positive_int(size_scale, "size_scale", maximum=MAX_COUNT)
     if max_size is not None:
-        max_size = check_positive_int(max_size, "max_size", minimum=2)
+        max_size = check_positive_int(max_size, "max_size", minimum=2, maximum=MAX_COUNT)
     test_fraction = _check_fraction(test_fraction)
     npd = _check_dtype(dtype)
+    names = "num_clients, dim, num_classes, size_scale, max_size"
+    least = 50 * size_scale if max_size is None else min(50 * size_scale, max_size)  # rows per client, at least
+    _check_memory(_federation_bytes(m * least, m, dim, (dim + 1) * C, npd), names)
 
     rng = np.random.default_rng(seed)
     sizes = (rng.lognormal(4, 2, m).astype(np.int64) + 50) * size_scale
     if max_size is not None:
         sizes = np.minimum(sizes, max_size)
+    _check_memory(_federation_bytes(int(sizes.sum()), m, dim, (dim + 1) * C, npd), names)
     u = rng.normal(0.0, alpha, m)
     B = rng.normal(0.0, beta, m)
     D = dim * C
@@ -237,7 +267,7 @@ def synthetic(alpha: float, beta: float, num_clients: int = 100, dim: int = 60, 
                 size_scale=size_scale, iid=bool(iid), test_fraction=test_fraction, max_size=max_size,
                 model=f"Softmax(p={dim}, C={C}, fit_intercept=True)")
     name = f"synthetic(alpha={alpha:g}, beta={beta:g}{', iid' if iid else ''})"
-    return rows.federation(dtype, C, truth, truth[0].copy() if iid else None, name, meta)
+    return rows.federation(dtype, C, truth, truth[0].copy() if iid else None, name, meta, "alpha, beta")
 
 
 def logistic_truth(num_clients: int = 10, samples_per_client: int = 2000, dim: int = 20, R: float = 1.0,
@@ -259,15 +289,16 @@ def logistic_truth(num_clients: int = 10, samples_per_client: int = 2000, dim: i
     The global minimizer has no closed form, so ``truth_global`` is the mean of the client
     models (the paper's w_g = Σ p_k w_k with the equal p_k here).
     """
-    m = check_positive_int(num_clients, "num_clients")
-    n = check_positive_int(samples_per_client, "samples_per_client", minimum=2)
-    dim = check_positive_int(dim, "dim")
+    m = check_positive_int(num_clients, "num_clients", maximum=MAX_COUNT)
+    n = check_positive_int(samples_per_client, "samples_per_client", minimum=2, maximum=MAX_COUNT)
+    dim = check_positive_int(dim, "dim", maximum=MAX_COUNT)
     R = check_real(R, "R", minimum=0.0)
     seed = check_positive_int(seed, "seed", minimum=0)
     if labels not in ("sample", "argmax"):
         raise ValueError(f"labels: expected 'sample' or 'argmax', got {labels!r}")
     test_fraction = _check_fraction(test_fraction)
     npd = _check_dtype(dtype)
+    _check_memory(_federation_bytes(m * n, m, dim, 2 * dim, npd, 16), "num_clients, samples_per_client, dim")
 
     rng = np.random.default_rng(seed)
     truth = rng.normal(0.0, math.sqrt(R), (m, dim)).astype(npd)
@@ -294,7 +325,8 @@ def logistic_truth(num_clients: int = 10, samples_per_client: int = 2000, dim: i
                 labels=labels, test_fraction=test_fraction, model=f"Logistic(p={dim}, fit_intercept=False)",
                 truth_global="mean of client models",
                 heterogeneity=float(((w - w_bar) ** 2).sum(axis=1).mean()))
-    return rows.federation(dtype, 2, truth, w_bar.astype(npd), f"logistic_truth(R={R:g}, labels={labels})", meta)
+    return rows.federation(dtype, 2, truth, w_bar.astype(npd), f"logistic_truth(R={R:g}, labels={labels})", meta,
+                           "R")
 
 
 def least_squares(num_clients: int = 25, samples_per_client: int = 5000, dim: int = 100,
@@ -309,14 +341,15 @@ def least_squares(num_clients: int = 25, samples_per_client: int = 5000, dim: in
     targets b (dtype of x); ``num_classes = 0``. ``truth [m, dim]`` = w*_i, the layout of
     ``LeastSquares(dim, fit_intercept=False)``; ``truth_global`` = w*.
     """
-    m = check_positive_int(num_clients, "num_clients")
-    n = check_positive_int(samples_per_client, "samples_per_client", minimum=2)
-    dim = check_positive_int(dim, "dim")
+    m = check_positive_int(num_clients, "num_clients", maximum=MAX_COUNT)
+    n = check_positive_int(samples_per_client, "samples_per_client", minimum=2, maximum=MAX_COUNT)
+    dim = check_positive_int(dim, "dim", maximum=MAX_COUNT)
     noise_var = check_real(noise_var, "noise_var", minimum=0.0)
     shift = check_real(shift, "shift", minimum=0.0)
     seed = check_positive_int(seed, "seed", minimum=0)
     test_fraction = _check_fraction(test_fraction)
     npd = _check_dtype(dtype)
+    _check_memory(_federation_bytes(m * n, m, dim, 2 * dim, npd, 16), "num_clients, samples_per_client, dim")
 
     rng = np.random.default_rng(seed)
     w_star = rng.normal(0.0, 1.0, dim).astype(npd)
@@ -335,7 +368,7 @@ def least_squares(num_clients: int = 25, samples_per_client: int = 5000, dim: in
                 shift=shift, seed=seed, test_fraction=test_fraction,
                 model=f"LeastSquares(p={dim}, fit_intercept=False)")
     return rows.federation(dtype, 0, truth, w_star, f"least_squares(shift={shift:g}, noise_var={noise_var:g})",
-                           meta)
+                           meta, "shift, noise_var")
 
 
 def two_groups(num_clients: int = 50, samples_per_client: int = 100, dim: int = 60, mu: float = 1.0,
@@ -356,13 +389,14 @@ def two_groups(num_clients: int = 50, samples_per_client: int = 100, dim: int = 
     minimizer), the layout of ``Logistic(dim, fit_intercept=False)``; ``truth_global`` = None.
     ``meta["groups"]``: the group (0/1) of every client.
     """
-    m = check_positive_int(num_clients, "num_clients")
-    n = check_positive_int(samples_per_client, "samples_per_client", minimum=2)
-    dim = check_positive_int(dim, "dim")
+    m = check_positive_int(num_clients, "num_clients", maximum=MAX_COUNT)
+    n = check_positive_int(samples_per_client, "samples_per_client", minimum=2, maximum=MAX_COUNT)
+    dim = check_positive_int(dim, "dim", maximum=MAX_COUNT)
     mu = check_real(mu, "mu")
     seed = check_positive_int(seed, "seed", minimum=0)
     test_fraction = _check_fraction(test_fraction)
     npd = _check_dtype(dtype)
+    _check_memory(_federation_bytes(m * n, m, dim, dim, npd), "num_clients, samples_per_client, dim")
 
     rng = np.random.default_rng(seed)
     g = rng.normal(0.0, 1.0, dim)
@@ -379,7 +413,7 @@ def two_groups(num_clients: int = 50, samples_per_client: int = 100, dim: int = 
     meta = dict(generator="two_groups", num_clients=m, samples_per_client=n, dim=dim, mu=mu, seed=seed,
                 test_fraction=test_fraction, model=f"Logistic(p={dim}, fit_intercept=False)",
                 groups=groups.tolist())
-    return rows.federation(dtype, 2, truth, None, f"two_groups(mu={mu:g})", meta)
+    return rows.federation(dtype, 2, truth, None, f"two_groups(mu={mu:g})", meta, "mu")
 
 
 def contexts(num_clients: int = 40, num_contexts: int = 4, dim: int = 60, num_classes: int = 10,
@@ -403,23 +437,24 @@ def contexts(num_clients: int = 40, num_contexts: int = 4, dim: int = 60, num_cl
     ``truth [m, (dim+1)·C]``: [W_k; b_k] in the layout of ``Softmax(dim, C, fit_intercept=True)``;
     ``truth_global`` = None; ``meta["contexts"]``: the context of every client.
     """
-    m = check_positive_int(num_clients, "num_clients")
-    K = check_positive_int(num_contexts, "num_contexts")
+    m = check_positive_int(num_clients, "num_clients", maximum=MAX_COUNT)
+    K = check_positive_int(num_contexts, "num_contexts", maximum=MAX_COUNT)
     if K > m:
         raise ValueError(f"num_contexts: expected at most num_clients = {m} contexts, got {K}")
-    dim = check_positive_int(dim, "dim")
-    C = check_positive_int(num_classes, "num_classes", minimum=2)
+    dim = check_positive_int(dim, "dim", maximum=MAX_COUNT)
+    C = check_positive_int(num_classes, "num_classes", minimum=2, maximum=MAX_COUNT)
     client_noise = check_real(client_noise, "client_noise", minimum=0.0)
     beta = check_real(beta, "beta", minimum=0.0)
     if (not isinstance(sizes, (tuple, list)) or len(sizes) != 2
             or not all(isinstance(s, (int, np.integer)) and not isinstance(s, bool) for s in sizes)
-            or not 2 <= sizes[0] <= sizes[1]):
-        raise ValueError(f"sizes: expected (low, high) integers with 2 <= low <= high, got {sizes!r}")
+            or not 2 <= sizes[0] <= sizes[1] <= MAX_COUNT):
+        raise ValueError(f"sizes: expected (low, high) integers with 2 <= low <= high <= {MAX_COUNT}, got {sizes!r}")
     seed = check_positive_int(seed, "seed", minimum=0)
     test_fraction = _check_fraction(test_fraction)
     npd = _check_dtype(dtype)
-
     feature_spread = check_real(feature_spread, "feature_spread", minimum=0.0)
+    names = "num_clients, dim, num_classes, sizes"
+    _check_memory(_federation_bytes(m * int(sizes[0]), m, dim, (dim + 1) * C, npd), names)
 
     rng = np.random.default_rng(seed)
     context = rng.permutation(np.arange(m) % K)
@@ -432,6 +467,7 @@ def contexts(num_clients: int = 40, num_contexts: int = 4, dim: int = 60, num_cl
     v = np.empty((m, dim))
     _fill_rows(v, dim, lambda lo, hi: v_c[context[lo:hi]] + client_noise * rng.normal(0.0, 1.0, (hi - lo, dim)))
     n = rng.integers(int(sizes[0]), int(sizes[1]) + 1, m)
+    _check_memory(_federation_bytes(int(n.sum()), m, dim, (dim + 1) * C, npd), names)
 
     rows = _Rows(n, test_fraction, dim, npd, np.int64)
     scale = np.sqrt(_diag_cov(dim))
@@ -440,7 +476,9 @@ def contexts(num_clients: int = 40, num_contexts: int = 4, dim: int = 60, num_cl
         rows.put(k0, k1, _argmax_labels(x, truth[k0:k1].astype(np.float64), n[k0:k1], dim, C), rows.y)
 
     meta = dict(generator="contexts", num_clients=m, num_contexts=K, dim=dim, num_classes=C,
-                client_noise=client_noise, beta=beta, feature_spread=feature_spread, sizes=[int(sizes[0]), int(sizes[1])], seed=seed,
+                client_noise=client_noise, beta=beta, feature_spread=feature_spread,
+                sizes=[int(sizes[0]), int(sizes[1])], seed=seed,
                 test_fraction=test_fraction, model=f"Softmax(p={dim}, C={C}, fit_intercept=True)",
                 contexts=context.tolist())
-    return rows.federation(dtype, C, truth, None, f"contexts(K={K}, client_noise={client_noise:g})", meta)
+    return rows.federation(dtype, C, truth, None, f"contexts(K={K}, client_noise={client_noise:g})", meta,
+                           "client_noise, beta, feature_spread")
