@@ -68,9 +68,10 @@ cpu::GlmProblem<T> glm_problem(const char* op, int family, int64_t p, int64_t C,
 template <typename T>
 void local_steps_t(int family, int64_t p, int64_t C, bool intercept, double l2, ptr_t theta, int64_t R, ptr_t x,
                    int64_t N, ptr_t y, ptr_t offsets, int64_t m, ptr_t rows, ptr_t batches, int64_t B, ptr_t anchor,
-                   bool anchor_shared, ptr_t grad_scale, int64_t steps, double lr, double prox) {
+                   bool anchor_shared, ptr_t grad_scale, int64_t steps, double lr, double prox, bool check_batches) {
   const char* op = "local_steps";
   auto prob = glm_problem<T>(op, family, p, C, intercept, l2, x, N, y, offsets, m, rows, R);
+  prob.check_batches = check_batches;
   require(theta != 0 || R == 0, op, "theta must not be null");
   require(steps >= 0 && (batches == 0 || B >= 1), op, "expected steps >= 0 and B >= 1 with batches");
   cpu::LocalStepsArgs<T> args;
@@ -92,31 +93,37 @@ void local_steps_t(int family, int64_t p, int64_t C, bool intercept, double l2, 
 }
 
 template <typename T>
-void gradients_t(int family, int64_t p, int64_t C, bool intercept, double l2, ptr_t theta, int64_t R, ptr_t x,
-                 int64_t N, ptr_t y, ptr_t offsets, int64_t m, ptr_t rows, ptr_t batches, int64_t B, ptr_t out) {
+void gradients_t(int family, int64_t p, int64_t C, bool intercept, double l2, ptr_t theta, bool theta_shared,
+                 int64_t R, ptr_t x, int64_t N, ptr_t y, ptr_t offsets, int64_t m, ptr_t rows, ptr_t batches, int64_t B,
+                 ptr_t out, bool check_batches) {
   const char* op = "gradients";
   auto prob = glm_problem<T>(op, family, p, C, intercept, l2, x, N, y, offsets, m, rows, R);
+  prob.check_batches = check_batches;
   require((theta && out) || R == 0, op, "theta and out must not be null");
   require(batches == 0 || B >= 1, op, "expected B >= 1 with batches");
   Faults faults;
   {
     py::gil_scoped_release nogil;
-    cpu::gradients<T>(prob, as<const T>(theta), as<const int32_t>(batches), batches ? B : 0, as<T>(out), faults);
+    cpu::gradients<T>(prob, as<const T>(theta), theta_shared ? 0 : prob.d(), as<const int32_t>(batches),
+                      batches ? B : 0, as<T>(out), faults);
   }
   raise_faults(faults);
 }
 
 template <typename T>
-void evaluate_t(int family, int64_t p, int64_t C, bool intercept, double l2, ptr_t theta, int64_t R, ptr_t x,
-                int64_t N, ptr_t y, ptr_t offsets, int64_t m, ptr_t rows, ptr_t loss_sum, ptr_t correct,
-                ptr_t count) {
+void evaluate_t(int family, int64_t p, int64_t C, bool intercept, double l2, ptr_t theta, bool theta_shared,
+                int64_t R, ptr_t x, int64_t N, ptr_t y, ptr_t offsets, int64_t m, ptr_t rows, ptr_t batches, int64_t B,
+                ptr_t loss_sum, ptr_t correct, ptr_t count, bool check_batches) {
   const char* op = "evaluate";
   auto prob = glm_problem<T>(op, family, p, C, intercept, l2, x, N, y, offsets, m, rows, R);
+  prob.check_batches = check_batches;
+  require(batches == 0 || B >= 1, op, "expected B >= 1 with batches");
   require((theta && loss_sum && correct && count) || R == 0, op, "theta and the outputs must not be null");
   Faults faults;
   {
     py::gil_scoped_release nogil;
-    cpu::evaluate<T>(prob, as<const T>(theta), as<T>(loss_sum), as<int64_t>(correct), as<int64_t>(count), faults);
+    cpu::evaluate<T>(prob, as<const T>(theta), theta_shared ? 0 : prob.d(), as<const int32_t>(batches),
+                     batches ? B : 0, as<T>(loss_sum), as<int64_t>(correct), as<int64_t>(count), faults);
   }
   raise_faults(faults);
 }
@@ -197,23 +204,25 @@ PYBIND11_MODULE(_core, m) {
   m.def("local_steps",
         [](bool f64, int family, int64_t p, int64_t C, bool intercept, double l2, ptr_t theta, int64_t R, ptr_t x,
            int64_t N, ptr_t y, ptr_t offsets, int64_t m, ptr_t rows, ptr_t batches, int64_t B, ptr_t anchor,
-           bool anchor_shared, ptr_t grad_scale, int64_t steps, double lr, double prox) {
+           bool anchor_shared, ptr_t grad_scale, int64_t steps, double lr, double prox, bool check_batches) {
           PFL_DISPATCH(f64, local_steps_t, family, p, C, intercept, l2, theta, R, x, N, y, offsets, m, rows, batches,
-                       B, anchor, anchor_shared, grad_scale, steps, lr, prox);
+                       B, anchor, anchor_shared, grad_scale, steps, lr, prox, check_batches);
         },
         "theta [R, d] <- K fused gradient steps per model row (in place)");
   m.def("gradients",
-        [](bool f64, int family, int64_t p, int64_t C, bool intercept, double l2, ptr_t theta, int64_t R, ptr_t x,
-           int64_t N, ptr_t y, ptr_t offsets, int64_t m, ptr_t rows, ptr_t batches, int64_t B, ptr_t out) {
-          PFL_DISPATCH(f64, gradients_t, family, p, C, intercept, l2, theta, R, x, N, y, offsets, m, rows, batches, B,
-                       out);
+        [](bool f64, int family, int64_t p, int64_t C, bool intercept, double l2, ptr_t theta, bool theta_shared,
+           int64_t R, ptr_t x, int64_t N, ptr_t y, ptr_t offsets, int64_t m, ptr_t rows, ptr_t batches, int64_t B,
+           ptr_t out, bool check_batches) {
+          PFL_DISPATCH(f64, gradients_t, family, p, C, intercept, l2, theta, theta_shared, R, x, N, y, offsets, m, rows,
+                       batches, B, out, check_batches);
         },
         "out [R, d] <- the gradient of each model row's client objective");
   m.def("evaluate",
-        [](bool f64, int family, int64_t p, int64_t C, bool intercept, double l2, ptr_t theta, int64_t R, ptr_t x,
-           int64_t N, ptr_t y, ptr_t offsets, int64_t m, ptr_t rows, ptr_t loss_sum, ptr_t correct, ptr_t count) {
-          PFL_DISPATCH(f64, evaluate_t, family, p, C, intercept, l2, theta, R, x, N, y, offsets, m, rows, loss_sum,
-                       correct, count);
+        [](bool f64, int family, int64_t p, int64_t C, bool intercept, double l2, ptr_t theta, bool theta_shared,
+           int64_t R, ptr_t x, int64_t N, ptr_t y, ptr_t offsets, int64_t m, ptr_t rows, ptr_t batches, int64_t B,
+           ptr_t loss_sum, ptr_t correct, ptr_t count, bool check_batches) {
+          PFL_DISPATCH(f64, evaluate_t, family, p, C, intercept, l2, theta, theta_shared, R, x, N, y, offsets, m, rows,
+                       batches, B, loss_sum, correct, count, check_batches);
         },
         "loss sum, correct and row count [R] of each model row on its client's rows");
   m.def("kmeans_assign",

@@ -131,6 +131,11 @@ def use(name: str) -> Iterator[None]:
         _forced.reset(token)
 
 
+def reference():
+    """``use`` of the pure-torch reference: what every ``ops.<op>_ref`` runs under."""
+    return use("reference")
+
+
 def select(op: str, model, tensor) -> Adapter:
     """The adapter that runs ``op`` for ``model`` (None for ops without one) on tensors like
     ``tensor`` (its device type and dtype decide)."""

@@ -40,7 +40,7 @@ from __future__ import annotations
 import datetime
 import math
 import os
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 

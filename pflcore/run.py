@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from typing import Callable, Iterable, List, Optional
+from typing import Callable, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -22,6 +22,7 @@ from pflcore.data.federation import Federation
 from pflcore.models.glm import GLM
 from pflcore.models.nets import TorchNet
 from pflcore.errors import NonFiniteError
+from pflcore.ops._args import inside
 from pflcore.result import Result
 
 
@@ -82,8 +83,7 @@ def global_optimum(fed: Federation, model: GLM):
 
 def heterogeneity(fed: Federation, model: GLM, w_star: torch.Tensor) -> float:
     """(1/m) Σ_i ‖∇f_i(w*)‖² at the minimizer w* of the global objective."""
-    W = w_star.expand(fed.num_clients, model.d).contiguous()
-    return float((ops.gradients(model, W, fed.train).double() ** 2).sum(1).mean())
+    return float((ops.gradients(model, w_star, fed.train).double() ** 2).sum(1).mean())
 
 
 def _client_spread(correct: torch.Tensor, count: torch.Tensor, ctx: Context) -> dict:
@@ -101,7 +101,7 @@ def _ratio(num: torch.Tensor, den: torch.Tensor, ctx: Context) -> float:
 
 
 def _mean_sq_error(models: torch.Tensor, truth: torch.Tensor, ctx: Context) -> float:
-    """mean over all clients of ‖θ_i − θ*_i‖²."""
+    """mean over all clients of ‖θ_i − θ*_i‖² (``models`` [m, d], or [1, d]: one for all)."""
     err = ((models - truth.to(models)) ** 2).sum(1)
     return float(err.mean()) if not ctx.sharded else ctx.sum(float(err.double().sum())) / ctx.num_clients
 
@@ -142,41 +142,87 @@ def _truth_warning(fed: Federation, model) -> Optional[str]:
     return None
 
 
-def evaluate_round(algorithm: Algorithm, state, ctx: Context, t: int) -> dict:
-    """The metrics of DESIGN.md §5 for the current state (over every rank's clients)."""
+# The training loss is estimated on a fixed sample of the training rows: every client (at most
+# TRAIN_SAMPLE_ROWS of them, fixed at the start) with TRAIN_SAMPLE_ROWS // m rows drawn once (at
+# least 1, at most 32). The full loss would cost a pass over every training row at every
+# evaluation: more than a FedAvg round itself. ``train_loss="full"`` computes it exactly.
+TRAIN_SAMPLE_ROWS = 20_000
+_SAMPLE_STREAM = 0xFFFFFFFF  # the stream of the sample's draw (rounds draw from streams 0, 1, ...)
+
+
+def _train_sample(ctx: Context) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
+    """(local client rows [R] or None for all, int32 row indices [R, k]) of the training-loss
+    sample, drawn once per run from the run's seed (the same clients and rows on every rank and
+    after a resume)."""
+    cached = getattr(ctx, "_train_sample", None)
+    if cached is not None:
+        return cached
+    n = ctx.num_clients
+    if n <= TRAIN_SAMPLE_ROWS:
+        rows, k = None, min(32, max(1, TRAIN_SAMPLE_ROWS // n))
+    else:  # a fixed subset of the clients, one row each
+        g = torch.Generator().manual_seed((ctx.seed * 1_000_003 + 12_345) & 0x7FFFFFFFFFFFFFFF)
+        chosen = torch.randperm(n, generator=g)[:TRAIN_SAMPLE_ROWS].sort().values
+        lo = ctx.first_client
+        rows = (chosen[(chosen >= lo) & (chosen < lo + ctx.m)] - lo).to(ctx.device)
+        k = 1
+    clients = rows if rows is not None else torch.arange(ctx.m, device=ctx.device)
+    sample = ctx.batches(_SAMPLE_STREAM, _SAMPLE_STREAM, clients, 1, k)[:, 0]
+    ctx._train_sample = (rows, ctx._mark(sample))
+    return ctx._train_sample
+
+
+def _train_loss(ctx: Context, theta: torch.Tensor, mode: str) -> Optional[float]:
+    """Mean training loss of ``theta`` ([m, d], or [d] for every client): on the fixed sample, on
+    every training row (``mode == "full"``), or None (``mode == "none"``)."""
+    if mode == "none":
+        return None
+    if mode == "full":
+        tl, _, tc = ctx.evaluate(theta)
+        return _ratio(tl, tc, ctx)
+    rows, sample = _train_sample(ctx)
+    if rows is not None and theta.dim() == 2:
+        theta = theta[rows].contiguous()
+    tl, _, tc = ctx.evaluate(theta, rows=rows, batches=sample)
+    return _ratio(tl, tc, ctx)
+
+
+def evaluate_round(algorithm: Algorithm, state, ctx: Context, t: int, train_loss: str = "sample") -> dict:
+    """The metrics of DESIGN.md §5 for the current state (over every rank's clients): one
+    evaluation call on the test data per model set (the personalized models; the global model,
+    shared by every client without an [m, d] copy), the training loss on a fixed sample."""
     row = {"round": t}
-    model, m = ctx.model, ctx.m
-    personal = algorithm.personalized(state)
-    w = algorithm.global_model(state)
+    model = ctx.model
+    personal, w = algorithm.evaluated_models(state, ctx)
+    ctx._evaluated = (t, personal, w)  # the run's result reuses the last round's
     fed = ctx.federation
     if personal is not None:
-        loss, correct, count = ops.evaluate(model, personal.contiguous(), ctx.test)
+        personal = personal.contiguous()
+        loss, correct, count = ctx.evaluate(personal, data=ctx.test)
         st = _client_spread(correct, count, ctx)
         row.update(personalized_acc=st["acc"], personalized_acc_std=st["acc_std"],
                    personalized_acc_p10=st["acc_p10"], personalized_loss=_ratio(loss, count, ctx))
-        tl, _, tc = ops.evaluate(model, personal.contiguous(), ctx.train)
-        row["train_loss"] = _ratio(tl, tc, ctx)
+        row["train_loss"] = _train_loss(ctx, personal, train_loss)
         if fed.truth is not None and (lay := truth_layout(model, fed.truth.shape[1])) is not None:
             row["stat_error_local"] = _mean_sq_error(personal[:, lay[0]], fed.truth[:, lay[1]], ctx)
     if w is not None:
-        W = w.expand(m, model.d).contiguous()
-        loss, correct, count = ops.evaluate(model, W, ctx.test)
+        loss, correct, count = ctx.evaluate(w, data=ctx.test)
         st = _client_spread(correct, count, ctx)
         row.update(global_acc=st["acc"], global_acc_std=st["acc_std"], global_acc_p10=st["acc_p10"],
                    global_loss=_ratio(loss, count, ctx))
         if personal is None:
-            tl, _, tc = ops.evaluate(model, W, ctx.train)
-            row["train_loss"] = _ratio(tl, tc, ctx)
+            row["train_loss"] = _train_loss(ctx, w, train_loss)
             if fed.truth is not None and (lay := truth_layout(model, fed.truth.shape[1])) is not None:
-                row["stat_error_local"] = _mean_sq_error(W[:, lay[0]], fed.truth[:, lay[1]], ctx)  # all use w
+                row["stat_error_local"] = _mean_sq_error(w[None, lay[0]], fed.truth[:, lay[1]], ctx)  # all use w
         if fed.truth_global is not None and (lay := truth_layout(model, fed.truth_global.shape[0])) is not None:
             row["stat_error_global"] = float(((w[lay[0]] - fed.truth_global[lay[1]].to(w)) ** 2).sum())
     if w is not None and ctx.f_star is not None:
-        W = w.expand(m, model.d).contiguous()
-        tl, _, tc = ops.evaluate(model, W, ctx.train)
+        tl, _, tc = ctx.evaluate(w)
         F = ctx.sum(float((fed.weights.double() * (tl.double() / tc.double())).sum())) \
             + 0.5 * model.l2 * float((w.double() ** 2).sum())
         row["optimality_gap"] = F - ctx.f_star
+    if row.get("train_loss", 0) is None:
+        del row["train_loss"]
     if not model.is_classifier:  # accuracies are meaningless for regression
         for k in [k for k in row if "acc" in k]:
             del row[k]
@@ -198,7 +244,8 @@ def _round(algorithm: Algorithm, state, ctx: Context, t: int, saved: Optional[st
     """One round; NaN/inf appearing inside it (an op's finiteness check) or in the new state is
     reported as a divergence of this round (on every rank, when any rank's state has it)."""
     try:
-        state = algorithm.round(state, ctx, t)
+        with inside(algorithm.name):  # the plain ops refuse to run in here: the algorithm uses ctx's
+            state = algorithm.round(state, ctx, t)
     except NonFiniteError as exc:
         raise _diverged(algorithm, t, f"an intermediate result has NaN/inf values ({exc})", saved,
                         all_ranks=not ctx.sharded) from exc
@@ -279,7 +326,7 @@ def _checkpoint_args(checkpoint, checkpoint_every, eval_every):
 def run(algorithm: Algorithm, federation: Federation, model: GLM, *, rounds: int, clients_per_round: Optional[int] = None,
         seed: int = 0, eval_every: int = 1, device="cpu", progress: bool = True, checkpoint: Optional[str] = None,
         checkpoint_every: Optional[int] = None, callbacks: Iterable[Callable] = (),
-        comm: Optional[distributed.Comm] = None, _resume=None) -> Result:
+        comm: Optional[distributed.Comm] = None, train_loss: str = "sample", _resume=None) -> Result:
     """Run ``rounds`` rounds of ``algorithm`` on ``federation`` and record metrics every
     ``eval_every`` rounds (and after the last). ``checkpoint`` (a folder) with
     ``checkpoint_every`` saves the state so that ``resume(folder)`` continues bitwise
@@ -287,7 +334,9 @@ def run(algorithm: Algorithm, federation: Federation, model: GLM, *, rounds: int
     folder belongs to one run: a run into a folder that holds another run's checkpoints (other
     algorithm, hyperparameters, model, data, seed, clients per round, device or number of ranks)
     raises ``ValueError`` naming what differs. ``callbacks`` are called as
-    ``cb(round, metrics_row, state)``.
+    ``cb(round, metrics_row, state)``. ``train_loss``: "sample" (the mean loss on a fixed sample
+    of training rows, drawn once: up to 20,000 rows), "full" (every training row: a pass over
+    the training data at every evaluation) or "none".
 
     ``comm`` (default: the initialized torch.distributed group if it has several ranks, else
     one process) shards the clients over the ranks: every rank passes the same whole
@@ -295,6 +344,8 @@ def run(algorithm: Algorithm, federation: Federation, model: GLM, *, rounds: int
     this rank's clients (``Result.clients``), ``pflcore.distributed.gather_rows`` collects them.
     """
     _validate(algorithm, federation, model, rounds, clients_per_round, eval_every, seed)
+    if train_loss not in ("sample", "full", "none"):
+        raise ValueError(f"train_loss: expected 'sample', 'full' or 'none', got {train_loss!r}")
     checkpoint, checkpoint_every = _checkpoint_args(checkpoint, checkpoint_every, eval_every)
     device, callbacks = _device(device), _callbacks(callbacks)
     if comm is not None and not isinstance(comm, distributed.Comm):
@@ -309,7 +360,7 @@ def run(algorithm: Algorithm, federation: Federation, model: GLM, *, rounds: int
     optimum = global_optimum(whole, model)
     config = {"algorithm": repr(algorithm), "federation": whole.name, "model": repr(model), "rounds": rounds,
               "clients_per_round": clients_per_round, "seed": seed, "eval_every": eval_every, "device": str(device),
-              "checkpoint_every": checkpoint_every}
+              "checkpoint_every": checkpoint_every, "train_loss": train_loss}
     if optimum is not None:
         config["f_star"] = optimum[0]
         config["heterogeneity"] = heterogeneity(whole, model, optimum[1])
@@ -336,8 +387,11 @@ def run(algorithm: Algorithm, federation: Federation, model: GLM, *, rounds: int
     if optimum is not None:
         ctx.f_star = optimum[0]
     if _resume is None:
-        state, history, start = algorithm.init(ctx), [], 0
-        history.append({**evaluate_round(algorithm, state, ctx, 0), "seconds": 0.0, "client_steps_per_s": None})
+        with inside(algorithm.name):
+            state = algorithm.init(ctx)
+        history, start = [], 0
+        history.append({**evaluate_round(algorithm, state, ctx, 0, train_loss), "seconds": 0.0,
+                        "client_steps_per_s": None})
     else:
         state, history, start = _resume["state"], _resume["history"], _resume["round"]
     saved = f"round {start} in {checkpoint}" if _resume is not None else None  # the last checkpoint written
@@ -361,7 +415,7 @@ def run(algorithm: Algorithm, federation: Federation, model: GLM, *, rounds: int
         elapsed += time.perf_counter() - t0
         if t % eval_every == 0 or t == rounds:
             sent = comm.bytes_sent - bytes0  # the rounds' traffic only, not the metrics'
-            row = evaluate_round(algorithm, state, ctx, t)
+            row = evaluate_round(algorithm, state, ctx, t, train_loss)
             done = t - (history[-1]["round"] if history else 0)
             slowest = comm.max(elapsed)  # a sharded round lasts as long as its slowest rank
             row["seconds"] = slowest / max(1, done)
@@ -383,7 +437,8 @@ def run(algorithm: Algorithm, federation: Federation, model: GLM, *, rounds: int
             bar.update(1)
     if bar is not None:
         bar.close()
-    personal, w = algorithm.personalized(state), algorithm.global_model(state)
+    last = getattr(ctx, "_evaluated", None)
+    personal, w = last[1:] if last is not None and last[0] == rounds else algorithm.evaluated_models(state, ctx)
     return Result(algorithm.name, history, None if personal is None else personal.clone(),
                   None if w is None else w.clone(), state, config, clients=(lo, hi))
 
@@ -408,7 +463,7 @@ def resume(checkpoint: str, *, rounds: Optional[int] = None, progress: bool = Tr
     return run(saved["algorithm"], base["federation"], base["model"], rounds=rounds or cfg["rounds"],
                clients_per_round=cfg["clients_per_round"], seed=cfg["seed"], eval_every=cfg["eval_every"],
                device=cfg["device"], progress=progress, checkpoint=checkpoint, checkpoint_every=cfg["checkpoint_every"],
-               callbacks=callbacks, comm=comm, _resume=saved)
+               callbacks=callbacks, comm=comm, train_loss=cfg.get("train_loss", "sample"), _resume=saved)
 
 
 __all__ = ["run", "resume", "DivergenceError", "evaluate_round", "truth_layout"]

@@ -308,18 +308,18 @@ def test_resume_equals_uninterrupted_run_bitwise(make, tmp_path):
 
 
 def test_ifca_evaluates_all_pairs_in_one_call(monkeypatch):
-    """One ops.evaluate per round (the end-of-round relabelling of all m clients × K models)."""
+    """One ctx.evaluate per round (the end-of-round relabelling of all m clients × K models)."""
     fed, model = _softmax_fed()
     calls = []
-    real = ops.evaluate
+    alg = IFCA(3, lr=0.1)
+    ctx = Context(fed, model, torch.device("cpu"), clients_per_round=4)
+    real = ctx.evaluate
 
     def spy(*args, **kwargs):
         calls.append(kwargs["rows"].numel())
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(ops, "evaluate", spy)
-    alg = IFCA(3, lr=0.1)
-    ctx = Context(fed, model, torch.device("cpu"), clients_per_round=4)
+    monkeypatch.setattr(ctx, "evaluate", spy)
     state = alg.init(ctx)
     alg.round(state, ctx, 1)
     assert calls == [12 * 3, 12 * 3]

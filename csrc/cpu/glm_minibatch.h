@@ -1,17 +1,18 @@
-// The minibatch path of the softmax GLM kernels (included by glm.cpp; DESIGN.md §4, issue 16).
+// The row path of the softmax GLM kernels (included by glm.cpp; DESIGN.md §4).
 //
-// A step on a minibatch of B <= kMaxRows rows is 2·B·P·C multiply-adds: too few to amortize
-// the column layout of the main path (a transposed copy of every row, padded to 16 columns,
-// and the parameters transposed in and out). Here the rows are read where they are, and the
-// parameters stay in theta's own layout [P, C], padded to CP classes (a whole number of SIMD
-// registers, so every inner loop is a fixed number of full-width vector operations):
+// The column path of glm.cpp copies every row it reads, transposed, so that SIMD lanes run along
+// rows: for a minibatch step (2·B·P·C multiply-adds, B = 20) that copy and the transposition of
+// the parameters in and out cost more than the math, and even on whole clients the copy costs
+// more than the lanes it fills. Here the rows are read where they are, and the parameters stay
+// in theta's own layout [P, C], padded to CP classes (a whole number of SIMD registers, so every
+// inner loop is a fixed number of full-width vector operations):
 //
-//   z_u   = b + Σ_k x_u[k] · W[k, :]          4 rows at a time, sharing each load of W[k, :]
+//   z_u   = b + Σ_k x_u[k] · W[k, :]          8 rows at a time, sharing each load of W[k, :]
 //   dz_u  = softmax(z_u) − e_{y_u}           per row, over the CP lanes (padding masked out)
 //   G     = Σ_u x_u ⊗ dz_u  (+ Σ_u dz_u in the intercept row)
 //
 // The padded lanes of W, G and the anchor are 0 and stay 0. Sums run in a fixed order (rows in
-// batch order, 4 at a time), so results do not depend on the thread count.
+// batch order, 8 at a time), so results do not depend on the thread count.
 #pragma once
 #include <algorithm>
 #include <cmath>
@@ -22,7 +23,9 @@
 
 namespace pflcore::cpu::minibatch {
 
-constexpr int64_t kMaxRows = 64;  // larger minibatches take the column path
+// Rows per block: each load of W[k, :] serves kRows rows, and kRows·CP accumulators keep both
+// FMA pipes busy (4 rows of one 16-float register each left them waiting on FMA latency).
+constexpr int kRows = 8;
 
 // Classes padded to whole 64-byte registers: 16 floats or 8 doubles per register.
 template <typename T>
@@ -38,14 +41,14 @@ inline int64_t padded_classes(int64_t C) {
 template <typename T>
 struct Buffers {
   std::vector<T> W, G, A;  // [P, CP] parameters, gradient, anchor
-  std::vector<T> Z;        // [kMaxRows, CP] logits, then d loss / d logits
+  std::vector<T> Z;        // [kRows, CP] one block's logits, then d loss / d logits (any number of rows)
   void prepare(int64_t P, int64_t CP) {
     if (static_cast<int64_t>(W.size()) < P * CP) {
       W.resize(P * CP);
       G.resize(P * CP);
       A.resize(P * CP);
     }
-    if (static_cast<int64_t>(Z.size()) < kMaxRows * CP) Z.resize(kMaxRows * CP);
+    if (static_cast<int64_t>(Z.size()) < kRows * CP) Z.resize(kRows * CP);
   }
   static Buffers& local() {
     static thread_local Buffers b;
@@ -74,35 +77,26 @@ inline void store_unpadded(T* __restrict__ dst, const T* __restrict__ src, int64
   }
 }
 
-// z [nb <= 4 rows, CP] = b + x W for the rows x[0..nb) (a short block repeats its last row).
+// z [kRows, CP] = b + x W for the rows x[0..kRows) (a short block repeats its last row).
 template <typename T, int64_t CP>
-inline void forward4(const T* const* x, int64_t p, bool intercept, const T* __restrict__ W, T* __restrict__ z) {
-  T z0[CP], z1[CP], z2[CP], z3[CP];
+inline void forward_block(const T* const* x, int64_t p, bool intercept, const T* __restrict__ W,
+                          T* __restrict__ z) {
+  T acc[kRows][CP];
   const T* bias = W + p * CP;
+#pragma GCC unroll 8
+  for (int q = 0; q < kRows; ++q)
 #pragma omp simd
-  for (int64_t c = 0; c < CP; ++c) {
-    const T b0 = intercept ? bias[c] : T(0);
-    z0[c] = b0;
-    z1[c] = b0;
-    z2[c] = b0;
-    z3[c] = b0;
-  }
-  const T *__restrict__ x0 = x[0], *__restrict__ x1 = x[1], *__restrict__ x2 = x[2], *__restrict__ x3 = x[3];
+    for (int64_t c = 0; c < CP; ++c) acc[q][c] = intercept ? bias[c] : T(0);
   for (int64_t k = 0; k < p; ++k) {
     const T* __restrict__ wk = W + k * CP;
-    const T a0 = x0[k], a1 = x1[k], a2 = x2[k], a3 = x3[k];
+#pragma GCC unroll 8
+    for (int q = 0; q < kRows; ++q) {
+      const T a = x[q][k];
 #pragma omp simd
-    for (int64_t c = 0; c < CP; ++c) {
-      z0[c] += a0 * wk[c];
-      z1[c] += a1 * wk[c];
-      z2[c] += a2 * wk[c];
-      z3[c] += a3 * wk[c];
+      for (int64_t c = 0; c < CP; ++c) acc[q][c] += a * wk[c];
     }
   }
-  std::memcpy(z, z0, sizeof z0);
-  std::memcpy(z + CP, z1, sizeof z1);
-  std::memcpy(z + 2 * CP, z2, sizeof z2);
-  std::memcpy(z + 3 * CP, z3, sizeof z3);
+  std::memcpy(z, acc, sizeof acc);
 }
 
 // One row's logits z [CP] (C real) -> dz = softmax(z) − e_y, in place; returns the loss
@@ -126,23 +120,33 @@ inline T softmax_row(T* __restrict__ z, int64_t C, int64_t y, bool with_loss, Ex
   return with_loss ? std::log(s) + m - zy : T(0);
 }
 
-// G [P, CP] += Σ_u x_u ⊗ dz_u over a block of 4 rows (the intercept row gets Σ_u dz_u). Rows
-// past the end of the batch have dz = 0 (and finite x: they repeat a real row).
+// G [P, CP] += Σ_u x_u ⊗ dz_u over a block of kRows rows (the intercept row gets Σ_u dz_u).
+// Rows past the end of the batch have dz = 0 (and finite x: they repeat a real row).
 template <typename T, int64_t CP>
-inline void backward4(const T* const* x, int64_t p, bool intercept, const T* __restrict__ dz, T* __restrict__ G) {
-  const T *__restrict__ d0 = dz, *__restrict__ d1 = dz + CP, *__restrict__ d2 = dz + 2 * CP,
-          *__restrict__ d3 = dz + 3 * CP;
-  const T *__restrict__ x0 = x[0], *__restrict__ x1 = x[1], *__restrict__ x2 = x[2], *__restrict__ x3 = x[3];
+inline void backward_block(const T* const* x, int64_t p, bool intercept, const T* __restrict__ dz,
+                           T* __restrict__ G) {
   for (int64_t k = 0; k < p; ++k) {
     T* __restrict__ gk = G + k * CP;
-    const T a0 = x0[k], a1 = x1[k], a2 = x2[k], a3 = x3[k];
+    T a[kRows];
+#pragma GCC unroll 8
+    for (int q = 0; q < kRows; ++q) a[q] = x[q][k];
 #pragma omp simd
-    for (int64_t c = 0; c < CP; ++c) gk[c] += a0 * d0[c] + a1 * d1[c] + a2 * d2[c] + a3 * d3[c];
+    for (int64_t c = 0; c < CP; ++c) {
+      T g = gk[c];
+#pragma GCC unroll 8
+      for (int q = 0; q < kRows; ++q) g += a[q] * dz[q * CP + c];
+      gk[c] = g;
+    }
   }
   if (intercept) {
     T* __restrict__ gb = G + p * CP;
 #pragma omp simd
-    for (int64_t c = 0; c < CP; ++c) gb[c] += d0[c] + d1[c] + d2[c] + d3[c];
+    for (int64_t c = 0; c < CP; ++c) {
+      T g = gb[c];
+#pragma GCC unroll 8
+      for (int q = 0; q < kRows; ++q) g += dz[q * CP + c];
+      gb[c] = g;
+    }
   }
 }
 
@@ -154,43 +158,48 @@ T gradient(const T* x, int64_t p, const int64_t* y, bool intercept, int64_t C, R
   const int64_t P = p + (intercept ? 1 : 0);
   std::fill(G, G + P * CP, T(0));
   T loss = T(0);
-  for (int64_t u0 = 0; u0 < B; u0 += 4) {
-    const int64_t nb = std::min<int64_t>(4, B - u0);
-    const T* rows[4];
-    int64_t labels[4];
-    for (int64_t q = 0; q < 4; ++q) {
+  for (int64_t u0 = 0; u0 < B; u0 += kRows) {
+    const int64_t nb = std::min<int64_t>(kRows, B - u0);
+    const T* rows[kRows];
+    int64_t labels[kRows];
+    for (int64_t q = 0; q < kRows; ++q) {
       const int64_t r = row_at(u0 + std::min(q, nb - 1));
       rows[q] = x + r * p;
       labels[q] = y[r];
     }
-    T* z = Z + u0 * CP;
-    forward4<T, CP>(rows, p, intercept, W, z);
+    T* z = Z;  // one block's logits at a time: any number of rows
+    forward_block<T, CP>(rows, p, intercept, W, z);
     for (int64_t q = 0; q < nb; ++q) loss += softmax_row<T, CP>(z + q * CP, C, labels[q], with_loss, exp_nonpositive);
-    std::fill(z + nb * CP, z + 4 * CP, T(0));
-    backward4<T, CP>(rows, p, intercept, z, G);
+    std::fill(z + nb * CP, z + kRows * CP, T(0));
+    backward_block<T, CP>(rows, p, intercept, z, G);
   }
   return loss;
 }
 
 // Loss sum and correctly classified rows (first maximal logit) of the n rows row_at(0..n) at W.
+// The block's four logarithms are taken in one vector call.
 template <typename T, int64_t CP, typename RowAt, typename Exp>
 T loss_and_hits(const T* x, int64_t p, const int64_t* y, bool intercept, int64_t C, RowAt row_at, int64_t n,
                 const T* __restrict__ W, T* __restrict__ Z, int64_t* hits, Exp exp_nonpositive) {
   T loss = T(0);
   int64_t good = 0;
-  for (int64_t u0 = 0; u0 < n; u0 += 4) {
-    const int64_t nb = std::min<int64_t>(4, n - u0);
-    const T* rows[4];
-    int64_t labels[4];
-    for (int64_t q = 0; q < 4; ++q) {
+  for (int64_t u0 = 0; u0 < n; u0 += kRows) {
+    const int64_t nb = std::min<int64_t>(kRows, n - u0);
+    const T* rows[kRows];
+    int64_t labels[kRows];
+    for (int64_t q = 0; q < kRows; ++q) {
       const int64_t r = row_at(u0 + std::min(q, nb - 1));
       rows[q] = x + r * p;
       labels[q] = y[r];
     }
-    T* z = Z + u0 * CP;
-    forward4<T, CP>(rows, p, intercept, W, z);
+    forward_block<T, CP>(rows, p, intercept, W, Z);
+    T sums[kRows], tails[kRows];  // loss = log(sum) + tail; padding rows: log 1 + 0
+    for (int q = 0; q < kRows; ++q) {
+      sums[q] = T(1);
+      tails[q] = T(0);
+    }
     for (int64_t q = 0; q < nb; ++q) {
-      const T* zq = z + q * CP;
+      const T* zq = Z + q * CP;
       int64_t best = 0;
       for (int64_t c = 1; c < C; ++c)
         if (zq[c] > zq[best]) best = c;
@@ -199,8 +208,11 @@ T loss_and_hits(const T* x, int64_t p, const int64_t* y, bool intercept, int64_t
       T s = T(0);
 #pragma omp simd reduction(+ : s)
       for (int64_t c = 0; c < CP; ++c) s += c < C ? exp_nonpositive(zq[c] - m) : T(0);
-      loss += std::log(s) + m - zq[labels[q]];
+      sums[q] = s;
+      tails[q] = m - zq[labels[q]];
     }
+#pragma omp simd reduction(+ : loss)
+    for (int64_t q = 0; q < kRows; ++q) loss += std::log(sums[q]) + tails[q];
   }
   *hits = good;
   return loss;

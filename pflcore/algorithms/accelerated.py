@@ -62,5 +62,8 @@ class Accelerated(Algorithm):
     def global_model(self, state: AcceleratedState) -> Optional[torch.Tensor]:
         return self.algorithm.global_model(state.inner)
 
+    def evaluated_models(self, state: AcceleratedState, ctx: Context):
+        return self.algorithm.evaluated_models(state.inner, ctx)
+
     def residual(self, state: AcceleratedState) -> Optional[float]:
         return state.residual

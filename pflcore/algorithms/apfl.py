@@ -27,7 +27,6 @@ from typing import Optional
 
 import torch
 
-from pflcore import ops
 from pflcore.algorithms.base import Algorithm, Context, count_int, per_client, positive, replicate
 
 
@@ -70,9 +69,9 @@ class APFL(Algorithm):
             bs = None if b is None else b[:, s:s + 1].contiguous()   # int32 [S, 1, B]
             if moves_v:
                 mix = a[:, None] * V + (1 - a[:, None]) * W          # [S, d] v̄_i at the step's start
-                g = ops.gradients(ctx.model, mix, ctx.train, rows=S, batches=None if bs is None else bs[:, 0])
+                g = ctx.gradients(mix, rows=S, batches=None if bs is None else bs[:, 0])
                 da = ((V - W) * g).sum(1) if self.adaptive_alpha else None
-            ops.local_steps(ctx.model, W, ctx.train, steps=1, lr=self.lr, rows=S, batches=bs)
+            ctx.local_steps(W, steps=1, lr=self.lr, rows=S, batches=bs)
             if moves_v:
                 V -= self.lr * a[:, None] * g
                 if da is not None:
@@ -80,7 +79,6 @@ class APFL(Algorithm):
         state.v[S] = V
         state.alpha[S] = a
         state.w = ctx.average(W, ctx.weights[S])
-        ctx.count(n * self.local_steps)
         return state
 
     def personalized(self, state: APFLState) -> torch.Tensor:

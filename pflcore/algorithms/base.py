@@ -3,24 +3,38 @@
 An algorithm holds only its hyperparameters; every tensor lives in its ``state`` (a dataclass
 that ``torch.save`` can write and read back), so a checkpoint restores a run exactly.
 
+An algorithm calls the ops through its context: ``ctx.local_steps``, ``ctx.gradients``,
+``ctx.hvp``, ``ctx.evaluate`` (bound to the run's model, data and device, counting the
+client-steps they take), ``ctx.sample_clients`` and ``ctx.batches`` (the index tensors the
+context draws itself: the kernels do not check them again), and the server steps
+``ctx.average`` (P_H), ``ctx.sum``, ``ctx.norm``, ``ctx.kmeans``, ``ctx.cluster_means``. The
+plain ``pflcore.ops`` refuse to run inside a round that ``pflcore.run`` drives: only the context
+form is right when the clients are sharded.
+
 Sharding (``pflcore.distributed``): with several ranks, ``ctx.train``/``ctx.test`` hold this
 rank's clients only and every per-client ``[m, d]`` matrix of the state holds their rows; such
 state fields are declared with ``per_client()``. ``ctx.m`` is the number of LOCAL clients (so
-``state.theta[S]`` indexes local rows), ``ctx.num_clients`` the federation's. Server steps go
-through the context: ``ctx.average`` (P_H), ``ctx.sum``, ``ctx.norm``, ``ctx.kmeans``,
-``ctx.cluster_means``. In one process they are exactly the ops (``ops.average``,
-``ops.kmeans`` ...), so a single-process run computes what it always did.
+``state.theta[S]`` indexes local rows), ``ctx.num_clients`` the federation's. The server steps
+are collectives there; in one process they are exactly the ops, so a single-process run
+computes what it always did.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
 from pflcore import distributed, ops
 from pflcore._checks import MAX_COUNT
+from pflcore.ops.average import run_average
+from pflcore.ops.evaluate import run_evaluate
+from pflcore.ops.gradients import run_gradients
+from pflcore.ops.hvp import run_hvp
+from pflcore.ops.kmeans import run_kmeans
+from pflcore.ops.local_steps import run_local_steps
+from pflcore.ops.sample_batches import run_sample_batches
 from pflcore.data.federation import Federation
 from pflcore.models.glm import GLM
 
@@ -50,7 +64,9 @@ class Context:
     device: torch.device
     seed: int = 0
     clients_per_round: Optional[int] = None
-    client_steps: int = 0  # client-steps done so far on this rank (for the throughput metric)
+    # client-steps done so far on this rank (the throughput metric): one per gradient of one
+    # client's model that ctx.local_steps, ctx.gradients or ctx.hvp computed
+    client_steps: int = 0
     f_star: Optional[float] = None  # min of Σ p_i f_i when known (least squares), for the optimality gap
     comm: distributed.Comm = field(default_factory=distributed.Comm)
     train: object = field(init=False)
@@ -58,6 +74,8 @@ class Context:
     weights: torch.Tensor = field(init=False)
     num_clients: int = field(init=False)  # clients of the whole federation
     num_rows: int = field(init=False)     # training rows of the whole federation
+    # index tensors this context drew (sample_clients, batches): id -> (tensor, version when drawn)
+    _drawn: dict = field(init=False, repr=False, default_factory=dict)
 
     def __post_init__(self):
         self.train = self.federation.train
@@ -105,19 +123,66 @@ class Context:
         if self.m != n:  # keep this rank's clients, as local indices
             lo = self.first_client
             chosen = chosen[(chosen >= lo) & (chosen < lo + self.m)] - lo
-        return chosen.to(self.device)
+        return self._mark(chosen.to(self.device))
 
-    def batches(self, t: int, stream: int, clients: torch.Tensor, steps: int, batch_size: int) -> torch.Tensor:
-        """``int32 [S, steps, B]`` minibatches for round t; ``stream`` separates independent
-        draws within a round (e.g. pFedMe's local rounds)."""
+    def batches(self, t: int, stream: int, clients: torch.Tensor, steps: int, batch_size: int,
+                repeat: int = 1) -> torch.Tensor:
+        """``int32 [S, steps·repeat, B]`` minibatches for round t; ``stream`` separates independent
+        draws within a round (e.g. pFedMe's local rounds); ``repeat`` uses each draw for that
+        many consecutive steps (pFedMe's inner steps share their local round's minibatch)."""
         # The round is the counter; the stream moves the seed by a multiple of the golden ratio,
         # so neither the number of rounds nor of streams is limited and no two draws repeat.
         seed = (self.seed + 0x9E3779B9 * (stream + 1)) & _M32
-        return ops.sample_batches(self.train, steps=steps, batch_size=batch_size, seed=seed, counter=t & _M32,
-                                  clients=clients)
+        b = run_sample_batches(self.train, steps, batch_size, seed, t & _M32, clients)
+        if repeat > 1:
+            b = b.repeat_interleave(repeat, dim=1)
+        return self._mark(b)
 
-    def count(self, client_steps: int) -> None:
-        self.client_steps += int(client_steps)
+    # ---- the ops, bound to this run -------------------------------------------------------
+
+    def _mark(self, t: torch.Tensor) -> torch.Tensor:
+        """Remembers ``t`` as drawn here: while it is unchanged (same version), its indices are
+        known to be in range and the kernels need not check them again."""
+        if len(self._drawn) >= 64:  # the draws of the last round or so are what an algorithm reuses
+            self._drawn.pop(next(iter(self._drawn)))
+        self._drawn[id(t)] = (t, t._version)
+        return t
+
+    def _trusted(self, *index_tensors) -> bool:
+        for t in index_tensors:
+            if t is not None:
+                seen = self._drawn.get(id(t))
+                if seen is None or seen[0] is not t or seen[1] != t._version:
+                    return False
+        return True
+
+    def local_steps(self, theta: torch.Tensor, *, steps: int, lr: float, prox: float = 0.0, anchor=None,
+                    batches=None, rows=None, grad_scale=None) -> torch.Tensor:
+        """``ops.local_steps`` on the run's model and training data, in place on ``theta [R, d]``;
+        counts R·steps client-steps."""
+        out = run_local_steps(self.model, theta, self.train, steps, lr, prox, anchor, batches, rows, grad_scale,
+                              self._trusted(rows, batches))
+        self.client_steps += theta.shape[0] * steps
+        return out
+
+    def gradients(self, theta: torch.Tensor, *, rows=None, batches=None) -> torch.Tensor:
+        """``ops.gradients`` on the run's model and training data (``theta`` [R, d], or [d]: one
+        model at every row); counts one client-step per row."""
+        out = run_gradients(self.model, theta, self.train, rows, batches, self._trusted(rows, batches))
+        self.client_steps += out.shape[0]
+        return out
+
+    def hvp(self, theta: torch.Tensor, v: torch.Tensor, *, batches, rows=None) -> torch.Tensor:
+        """``ops.hvp`` on the run's model and training data; counts one client-step per row."""
+        out = run_hvp(self.model, theta, v, self.train, batches, rows, self._trusted(rows, batches))
+        self.client_steps += out.shape[0]
+        return out
+
+    def evaluate(self, theta: torch.Tensor, *, rows=None, batches=None, data=None):
+        """``ops.evaluate`` on the run's model and its training data (``data=ctx.test``: the test
+        data); ``theta`` [d] is one model at every row. Not counted as training."""
+        data = self.train if data is None else data
+        return run_evaluate(self.model, theta, data, rows, batches, data is self.train and self._trusted(rows, batches))
 
     # ---- server steps (collectives when sharded) ------------------------------------------
 
@@ -130,7 +195,7 @@ class Context:
         in one process; sharded: one all-reduce of the float64 weighted sum and weight, so a
         rank with no rows takes part with zeros)."""
         if not self.sharded:
-            return ops.average(theta, weights, rows)
+            return run_average(theta, weights, rows)
         if rows is not None:
             theta, weights = theta[rows], weights[rows]
         d = theta.shape[1]
@@ -158,9 +223,10 @@ class Context:
         """Σ over ranks of a local count (e.g. the sampled clients of a round)."""
         return self.comm.sum(int(n))
 
-    def kmeans(self, points: torch.Tensor, k: Optional[int] = None, **kwargs) -> "ops.KMeans":
+    def kmeans(self, points: torch.Tensor, k: Optional[int] = None, *, init="k-means++", iters: int = 100,
+               tol: float = 1e-6, seed: int = 0, weights=None) -> "ops.KMeans":
         """``ops.kmeans`` over the points of every rank (labels of the local points)."""
-        return ops.kmeans(points, k, comm=self.comm, **kwargs)
+        return run_kmeans(points, k, init, iters, tol, seed, weights, self.comm)
 
     def cluster_means(self, points: torch.Tensor, labels: torch.Tensor, weights: Optional[torch.Tensor],
                       centroids: torch.Tensor) -> torch.Tensor:
@@ -185,6 +251,13 @@ class Algorithm:
 
     def global_model(self, state) -> Optional[torch.Tensor]:
         return None
+
+    def evaluated_models(self, state, ctx: Context) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """(personalized ``[m, d]`` or None, global ``[d]`` or None): the models the round loop
+        evaluates and returns. By default ``personalized(state)`` and ``global_model(state)``; an
+        algorithm whose personalized models are derived from its state (Per-FedAvg: one step
+        from the global model) computes them here, when they are evaluated, not every round."""
+        return self.personalized(state), self.global_model(state)
 
     def residual(self, state) -> Optional[float]:
         """‖T(u) − u‖ of the last round for fixed-point methods, else None."""

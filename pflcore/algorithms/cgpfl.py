@@ -104,10 +104,9 @@ class CGPFL(Algorithm):
             if self.batch_size is not None:  # one minibatch per local round, reused by its S steps
                 batch = ctx.batches(t, r, clients, 1, self.batch_size)
                 batches = batch.expand(S, self.inner_steps, self.batch_size).contiguous()
-            ops.local_steps(ctx.model, theta, ctx.train, steps=self.inner_steps, lr=self.lr, prox=self.lam,
+            ctx.local_steps(theta, steps=self.inner_steps, lr=self.lr, prox=self.lam,
                             anchor=omega, rows=clients, batches=batches)
             omega -= self.beta * self.lam * (omega - theta)
-        ctx.count(S * self.local_rounds * self.inner_steps)
         return theta, omega
 
     def _seeded_kmeans(self, ctx: Context, points: torch.Tensor, k: int, weights: torch.Tensor,
@@ -158,6 +157,11 @@ class CGPFL(Algorithm):
         return state.contexts[state.labels]
 
 
+def generalization_term(d: int, K: int, n_samples: float) -> float:
+    """sqrt(d·K/N_s · max(log(e·N_s/d), 1)): the K-dependent complexity term of CGPFL-Heur's e(K)."""
+    return math.sqrt(d * K / n_samples * max(math.log(math.e * n_samples / d), 1.0))
+
+
 class CGPFLHeur(CGPFL):
     """CGPFL whose number of contexts is chosen at the first round by minimizing e(K)."""
 
@@ -174,8 +178,7 @@ class CGPFLHeur(CGPFL):
         return 1  # all contexts start at the initial point; K is chosen after the first round
 
     def generalization_term(self, d: int, K: int, n_samples: int) -> float:
-        """sqrt(d·K/N_s · max(log(e·N_s/d), 1)), the K-dependent complexity term of e(K)."""
-        return math.sqrt(d * K / n_samples * max(math.log(math.e * n_samples / d), 1.0))
+        return generalization_term(d, K, n_samples)
 
     def _choose_contexts(self, state: CGPFLState, ctx: Context, theta, weights, t: int) -> int:
         n_samples = ctx.num_rows

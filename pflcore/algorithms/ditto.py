@@ -21,7 +21,6 @@ from typing import Optional
 
 import torch
 
-from pflcore import ops
 from pflcore.algorithms.base import Algorithm, Context, count_int, per_client, positive, replicate
 
 
@@ -58,14 +57,13 @@ class Ditto(Algorithm):
         n = S.numel()
         W = replicate(state.w, n)
         b = None if self.batch_size is None else ctx.batches(t, 0, S, self.local_steps, self.batch_size)
-        ops.local_steps(ctx.model, W, ctx.train, steps=self.local_steps, lr=self.lr, rows=S, batches=b)
+        ctx.local_steps(W, steps=self.local_steps, lr=self.lr, rows=S, batches=b)
         V = state.v[S].contiguous()
         bv = None if self.batch_size is None else ctx.batches(t, 1, S, self.personal_steps, self.batch_size)
-        ops.local_steps(ctx.model, V, ctx.train, steps=self.personal_steps, lr=self.personal_lr, prox=self.lam,
+        ctx.local_steps(V, steps=self.personal_steps, lr=self.personal_lr, prox=self.lam,
                         anchor=state.w, rows=S, batches=bv)
         state.v[S] = V
         state.w = ctx.average(W, ctx.weights[S])
-        ctx.count(n * (self.local_steps + self.personal_steps))
         return state
 
     def personalized(self, state: DittoState) -> torch.Tensor:

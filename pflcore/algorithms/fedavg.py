@@ -6,7 +6,6 @@ from typing import Optional
 
 import torch
 
-from pflcore import ops
 from pflcore.algorithms.base import Algorithm, Context, ServerModelFixedPoint, count_int, per_client, positive, replicate
 
 
@@ -32,8 +31,7 @@ class LocalTrain(Algorithm):
     def round(self, state: LocalState, ctx: Context, t: int) -> LocalState:
         clients = torch.arange(ctx.m, device=ctx.device)
         b = None if self.batch_size is None else ctx.batches(t, 0, clients, self.steps, self.batch_size)
-        ops.local_steps(ctx.model, state.theta, ctx.train, steps=self.steps, lr=self.lr, batches=b)
-        ctx.count(ctx.m * self.steps)
+        ctx.local_steps(state.theta, steps=self.steps, lr=self.lr, batches=b)
         return state
 
     def personalized(self, state: LocalState) -> torch.Tensor:
@@ -63,9 +61,8 @@ class FedAvg(ServerModelFixedPoint, Algorithm):
         S = ctx.sample_clients(t)
         theta = replicate(state.w, S.numel())
         b = None if self.batch_size is None else ctx.batches(t, 0, S, self.local_steps, self.batch_size)
-        ops.local_steps(ctx.model, theta, ctx.train, steps=self.local_steps, lr=self.lr, rows=S, batches=b)
+        ctx.local_steps(theta, steps=self.local_steps, lr=self.lr, rows=S, batches=b)
         state.w = ctx.average(theta, ctx.weights[S])
-        ctx.count(S.numel() * self.local_steps)
         return state
 
     def global_model(self, state: GlobalState) -> torch.Tensor:
@@ -97,8 +94,7 @@ class LocalizedFedAvg(FedAvg):
     def round(self, state: LocalizedState, ctx: Context, t: int) -> LocalizedState:
         state = super().round(state, ctx, t)
         state.theta = replicate(state.w, ctx.m)
-        ops.local_steps(ctx.model, state.theta, ctx.train, steps=self.finetune_steps, lr=self.finetune_lr)
-        ctx.count(ctx.m * self.finetune_steps)
+        ctx.local_steps(state.theta, steps=self.finetune_steps, lr=self.finetune_lr)
         return state
 
     def personalized(self, state: LocalizedState) -> torch.Tensor:

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-from pflcore import ops
 from pflcore.algorithms.base import Algorithm, Context, count_int, per_client, positive
 
 
@@ -65,11 +64,10 @@ class FedProx(Algorithm):
     def round(self, state: FedProxState, ctx: Context, t: int) -> FedProxState:
         S = ctx.sample_clients(t)
         theta = state.theta[S].contiguous()
-        ops.local_steps(ctx.model, theta, ctx.train, steps=self.local_steps, lr=self.local_lr, prox=self.lam,
+        ctx.local_steps(theta, steps=self.local_steps, lr=self.local_lr, prox=self.lam,
                         anchor=state.w, rows=S)
         state.theta[S] = theta
         state.w = state.w - self.global_lr * self.lam * (state.w - ctx.average(theta, ctx.weights[S]))
-        ctx.count(S.numel() * self.local_steps)
         return state
 
     def personalized(self, state: FedProxState) -> torch.Tensor:

@@ -36,7 +36,6 @@ from typing import Optional, Union
 
 import torch
 
-from pflcore import ops
 from pflcore.algorithms.base import Algorithm, Context, count_int, per_client, positive
 
 
@@ -98,18 +97,17 @@ class IFCA(Algorithm):
         K, n = models.shape[0], clients.numel()
         theta = models.repeat(n, 1)                         # [n·K, d]: row c·K + k holds ω_k
         rows = clients.repeat_interleave(K)                 # [n·K]: client c for its K rows
-        loss, _, count = ops.evaluate(ctx.model, theta, ctx.train, rows=rows)
+        loss, _, count = ctx.evaluate(theta, rows=rows)
         risk = (loss.double() / count.double()).view(n, K)
         risk = risk + 0.5 * ctx.model.l2 * (models.double() ** 2).sum(1)  # the l2 term of f_i
         return risk.argmin(1)  # torch returns the first minimal index
 
     def round(self, state: IFCAState, ctx: Context, t: int) -> IFCAState:
         S = ctx.sample_clients(t)
-        n = S.numel()
         labels = state.labels[S] if self.relabel_all else self.cluster_of(state.models, ctx, S)
         theta = state.models[labels].contiguous()           # [S, d]
         b = None if self.batch_size is None else ctx.batches(t, 0, S, self.local_steps, self.batch_size)
-        ops.local_steps(ctx.model, theta, ctx.train, steps=self.local_steps, lr=self.lr, rows=S, batches=b)
+        ctx.local_steps(theta, steps=self.local_steps, lr=self.lr, rows=S, batches=b)
         w = ctx.weights[S]
         # The clusters some sampled client picked, on any rank: a loop over the (few) clusters.
         picked = ctx.sum(torch.bincount(labels, minlength=state.models.shape[0])) > 0
@@ -120,11 +118,11 @@ class IFCA(Algorithm):
         if self.relabel_all:
             state.labels = self.cluster_of(state.models, ctx, torch.arange(ctx.m, device=ctx.device))
         state.cluster_weights = self._cluster_weights(state, ctx)
-        ctx.count(n * self.local_steps)
         return state
 
     def personalized(self, state: IFCAState) -> torch.Tensor:
         return state.models[state.labels]
 
     def global_model(self, state: IFCAState) -> torch.Tensor:
-        return ops.average(state.models, state.cluster_weights)
+        w = state.cluster_weights.to(torch.float64)  # K models, replicated on every rank: plain torch
+        return ((w @ state.models.to(torch.float64)) / w.sum()).to(state.models.dtype)

@@ -31,7 +31,6 @@ from typing import Optional
 
 import torch
 
-from pflcore import ops
 from pflcore.algorithms.base import Algorithm, Context, count_int, per_client, positive
 
 
@@ -98,10 +97,9 @@ class L2SGD(Algorithm):
             while j + run < self.iterations and not average[j + run]:
                 run += 1
             bj = None if b is None else b[:, j:j + run].contiguous()
-            ops.local_steps(ctx.model, x, ctx.train, steps=run, lr=local_lr, batches=bj)
+            ctx.local_steps(x, steps=run, lr=local_lr, batches=bj)
             local += run
             j += run
-        ctx.count(held * local)
         state.x_bar = ctx.average(x, _uniform(held, m, x))
         return state
 

@@ -14,14 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
-from pflcore import ops
-from pflcore.algorithms.base import Algorithm, Context, count_int, per_client, positive, replicate
+from pflcore.algorithms.base import Algorithm, Context, count_int, positive, replicate
 
 
 @dataclass
 class PerFedAvgState:
     w: torch.Tensor         # [d] global (meta) model
-    personal: torch.Tensor = per_client()  # [m, d] w − α∇f_i(w), refreshed every round
 
 
 class PerFedAvg(Algorithm):
@@ -37,12 +35,7 @@ class PerFedAvg(Algorithm):
         self.batch_size = count_int(batch_size, "batch_size", self.name)
 
     def init(self, ctx: Context) -> PerFedAvgState:
-        w = ctx.initial_global()
-        return PerFedAvgState(w, self._personalize(w, ctx))
-
-    def _personalize(self, w: torch.Tensor, ctx: Context) -> torch.Tensor:
-        W = replicate(w, ctx.m)
-        return W - self.alpha * ops.gradients(ctx.model, W, ctx.train)
+        return PerFedAvgState(ctx.initial_global())
 
     def round(self, state: PerFedAvgState, ctx: Context, t: int) -> PerFedAvgState:
         S = ctx.sample_clients(t)
@@ -51,18 +44,19 @@ class PerFedAvg(Algorithm):
         for s in range(self.local_steps):
             draws = ctx.batches(t, s, S, 3, B)  # D, D', D'' for this step
             D, D2, D3 = (draws[:, j].contiguous() for j in range(3))
-            tmp = W - self.alpha * ops.gradients(ctx.model, W, ctx.train, rows=S, batches=D)
-            g = ops.gradients(ctx.model, tmp, ctx.train, rows=S, batches=D2)
+            tmp = W - self.alpha * ctx.gradients(W, rows=S, batches=D)
+            g = ctx.gradients(tmp, rows=S, batches=D2)
             if self.variant == "HF":
-                g = g - self.alpha * ops.hvp(ctx.model, W, g, ctx.train, batches=D3, rows=S)
+                g = g - self.alpha * ctx.hvp(W, g, batches=D3, rows=S)
             W = W - self.beta * g
         state.w = ctx.average(W.contiguous(), ctx.weights[S])
-        state.personal = self._personalize(state.w, ctx)
-        ctx.count(n * self.local_steps)
         return state
 
-    def personalized(self, state: PerFedAvgState) -> torch.Tensor:
-        return state.personal
+    def evaluated_models(self, state: PerFedAvgState, ctx: Context):
+        """The personalized model of client i is one step from w on its own data, w − α∇f_i(w):
+        computed here, for the clients' evaluation (one gradients call at the shared w), not in
+        every round."""
+        return state.w[None, :] - self.alpha * ctx.gradients(state.w), state.w
 
     def global_model(self, state: PerFedAvgState) -> torch.Tensor:
         return state.w

@@ -124,15 +124,20 @@ def water_filling(costs: torch.Tensor, counts: torch.Tensor, lam_alpha: float, *
 def mixing_weights(model, w: torch.Tensor, train, lam_alpha: float, comm: distributed.Comm = None) -> torch.Tensor:
     """``[m, m]`` float64 α: row i holds personalized model i's weights on the m clients, from
     one ``ops.gradients`` call at w (every client's full-batch gradient) and one pairwise
-    distance computation. Sharded (``comm`` over several ranks, ``train`` this rank's clients):
-    the rows of this rank's models, ``[m_local, m]``, after one all-gather of G and the sizes."""
-    held = train.num_clients
-    G = ops.gradients(model, w.expand(held, w.shape[0]).contiguous(), train)
+    distance computation (outside a run; inside one, PERM computes the gradients through its
+    context and calls ``weights_from_gradients``)."""
+    return weights_from_gradients(ops.gradients(model, w, train), train.sizes, lam_alpha, comm, train.first_client)
+
+
+def weights_from_gradients(G: torch.Tensor, sizes: torch.Tensor, lam_alpha: float, comm: distributed.Comm = None,
+                           first_client: int = 0) -> torch.Tensor:
+    """α from the clients' gradients ``G [m, d]`` at w̃ and their sizes ``[m]``. Sharded (``comm``
+    over several ranks, ``G`` this rank's clients from ``first_client`` on): the rows of this
+    rank's models, ``[m_local, m]``, after one all-gather of G and the sizes."""
     if comm is None or comm.world == 1:
-        return water_filling(pairwise_sqdist(G), train.sizes, lam_alpha)
-    G_all, sizes = comm.all_gather_rows(G), comm.all_gather_rows(train.sizes)
-    lo = train.first_client
-    return water_filling(pairwise_sqdist(G_all, slice(lo, lo + held)), sizes, lam_alpha)
+        return water_filling(pairwise_sqdist(G), sizes, lam_alpha)
+    G_all, all_sizes = comm.all_gather_rows(G), comm.all_gather_rows(sizes)
+    return water_filling(pairwise_sqdist(G_all, slice(first_client, first_client + G.shape[0])), all_sizes, lam_alpha)
 
 
 # ---- the algorithm ------------------------------------------------------------------------------
@@ -180,9 +185,8 @@ class PERM(Algorithm):
         S = ctx.sample_clients(t)
         theta = replicate(state.w, S.numel())
         b = None if self.batch_size is None else ctx.batches(t, 0, S, self.fedavg_steps, self.batch_size)
-        ops.local_steps(ctx.model, theta, ctx.train, steps=self.fedavg_steps, lr=self.fedavg_lr, rows=S, batches=b)
+        ctx.local_steps(theta, steps=self.fedavg_steps, lr=self.fedavg_lr, rows=S, batches=b)
         state.w = ctx.average(theta, ctx.weights[S])
-        ctx.count(S.numel() * self.fedavg_steps)
 
     def _shuffle(self, state: PERMState, ctx: Context, t: int) -> None:
         m, r, held = ctx.num_clients, state.shuffle_rounds, ctx.m
@@ -196,10 +200,9 @@ class PERM(Algorithm):
         elif active.numel():
             theta = state.theta[active].contiguous()
             b = None if self.batch_size is None else ctx.batches(t, 1, j[active], self.local_steps, self.batch_size)
-            ops.local_steps(ctx.model, theta, ctx.train, steps=self.local_steps, lr=self.lr, rows=j[active],
+            ctx.local_steps(theta, steps=self.local_steps, lr=self.lr, rows=j[active],
                             batches=b, grad_scale=(m * a[active]).to(ctx.dtype))
             state.theta[active] = theta
-            ctx.count(active.numel() * self.local_steps)
         if idle.numel() and ctx.model.l2 > 0:
             state.theta[idle] *= (1.0 - self.lr * ctx.model.l2) ** self.local_steps
         state.shuffle_rounds += 1
@@ -230,9 +233,8 @@ class PERM(Algorithm):
             theta = arrived[:, :d].to(ctx.dtype).contiguous()
             rows = arrived[:, d].to(torch.int64)
             b = None if self.batch_size is None else ctx.batches(t, 1, rows, self.local_steps, self.batch_size)
-            ops.local_steps(ctx.model, theta, ctx.train, steps=self.local_steps, lr=self.lr, rows=rows, batches=b,
+            ctx.local_steps(theta, steps=self.local_steps, lr=self.lr, rows=rows, batches=b,
                             grad_scale=(m * arrived[:, d + 1]).to(ctx.dtype))
-            ctx.count(theta.shape[0] * self.local_steps)
         else:
             theta = torch.empty(0, d, dtype=ctx.dtype, device=ctx.device)
         back, start = [], 0  # return each model to the rank it came from, in the order it came
@@ -254,7 +256,8 @@ class PERM(Algorithm):
         if state.alpha is None or refresh:
             if state.alpha is None:
                 state.theta = replicate(state.w, ctx.m)  # personalized models start at w̃
-            state.alpha = mixing_weights(ctx.model, state.w, ctx.train, self.lam_alpha, ctx.comm)
+            state.alpha = weights_from_gradients(ctx.gradients(state.w), ctx.train.sizes, self.lam_alpha, ctx.comm,
+                                                 ctx.first_client)
         self._shuffle(state, ctx, t)
         return state
 
@@ -265,3 +268,5 @@ class PERM(Algorithm):
 
     def global_model(self, state: PERMState) -> torch.Tensor:
         return state.w
+
+__all__ = ["PERM", "PERMState", "mixing_weights", "pairwise_sqdist", "water_filling", "weights_from_gradients"]

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import torch
 
-from pflcore import ops
 from pflcore.algorithms.base import Algorithm, Context, ServerModelFixedPoint, count_int, per_client, positive, replicate
 
 
@@ -54,16 +53,14 @@ class PFedMe(ServerModelFixedPoint, Algorithm):
         theta = w_local.clone()
         for r in range(self.local_rounds):
             # One minibatch per local round, reused by the K inner steps.
-            batch = ctx.batches(t, r, trainers, 1, self.batch_size)
-            batches = batch.expand(T, self.inner_steps, self.batch_size).contiguous()
-            ops.local_steps(ctx.model, theta, ctx.train, steps=self.inner_steps, lr=self.personal_lr,
-                            prox=self.lam, anchor=w_local, rows=trainers, batches=batches)
+            batches = ctx.batches(t, r, trainers, 1, self.batch_size, repeat=self.inner_steps)
+            ctx.local_steps(theta, steps=self.inner_steps, lr=self.personal_lr, prox=self.lam, anchor=w_local,
+                            rows=trainers, batches=batches)
             w_local -= self.lr * self.lam * (w_local - theta)
         state.w_local[trainers] = w_local
         state.theta[trainers] = theta
         mean = ctx.average(state.w_local[S].contiguous(), ctx.weights[S])
         state.w = (1 - self.beta) * state.w + self.beta * mean
-        ctx.count(T * self.local_rounds * self.inner_steps)
         return state
 
     def personalized(self, state: PFedMeState) -> torch.Tensor:

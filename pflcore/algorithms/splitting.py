@@ -24,7 +24,6 @@ from typing import Optional
 
 import torch
 
-from pflcore import ops
 from pflcore.algorithms.base import Algorithm, Context, count_int, per_client, positive
 
 
@@ -105,16 +104,14 @@ class GrandScheme(Algorithm):
     def _local(self, u: torch.Tensor, S: torch.Tensor, ctx: Context, eta: float) -> torch.Tensor:
         if self.local_update == "gradient":  # G^η_{f,k}: k plain gradient steps of size η
             out = u.clone()
-            ops.local_steps(ctx.model, out, ctx.train, steps=self.prox_steps, lr=eta, rows=S)
-            ctx.count(S.numel() * self.prox_steps)
+            ctx.local_steps(out, steps=self.prox_steps, lr=eta, rows=S)
             return out
         if self.prox == "exact":
             return self._exact_prox(u, S, ctx, eta)
         # Gradient steps on f_i(x) + ‖x − u_i‖²/(2η); the step must be below 2/(L + 1/η).
         lr = self.prox_lr if self.prox_lr is not None else 0.5 * eta / (1.0 + eta)
         out = u.clone()
-        ops.local_steps(ctx.model, out, ctx.train, steps=self.prox_steps, lr=lr, prox=1.0 / eta, anchor=u, rows=S)
-        ctx.count(S.numel() * self.prox_steps)
+        ctx.local_steps(out, steps=self.prox_steps, lr=lr, prox=1.0 / eta, anchor=u, rows=S)
         return out
 
     # ---- one round: eqs. (42)–(44) ---------------------------------------------------------

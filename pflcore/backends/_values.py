@@ -82,6 +82,11 @@ def _message_client(r: int, code: int, clients, lo, hi, m: int, N: int, name: st
 def glm_fault(model, theta: Optional[torch.Tensor], data, rows: Optional[torch.Tensor],
               batches: Optional[torch.Tensor] = None, anchor: Optional[torch.Tensor] = None,
               grad_scale: Optional[torch.Tensor] = None) -> None:
+    """``theta`` [R, d], or [d]: one model for every row (checked first, as a whole)."""
+    if theta is not None and theta.dim() == 1:
+        if not bool(torch.isfinite(theta).all()):
+            _raise(NonFiniteError, "theta: holds a NaN or infinite value")
+        theta = None
     """Raises the first fault of a local_steps / gradients / evaluate call (see the module
     docstring). ``batches`` is [R, steps, B] (local_steps) or [R, B] (gradients, one step)."""
     x, y, offsets = data.x, data.y, data.offsets
@@ -226,3 +231,12 @@ def finite_rows(t: torch.Tensor, name: str) -> None:
     r = _first(~torch.isfinite(t).reshape(t.shape[0], -1).all(1)) if t.dim() else -1
     if r >= 0:
         _raise(NonFiniteError, f"{name}: row {r} holds a NaN or infinite value")
+
+
+def one_per_row(theta: torch.Tensor, data, rows: Optional[torch.Tensor]) -> torch.Tensor:
+    """``theta`` [R, d] as it is, or a shared model [d] copied to every row (for the kernels that
+    take one model per row; the native ones read a shared model in place)."""
+    if theta.dim() != 1:
+        return theta
+    R = data.offsets.numel() - 1 if rows is None else rows.numel()
+    return theta.expand(R, theta.shape[0]).contiguous()

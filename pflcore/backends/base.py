@@ -10,10 +10,10 @@ modules, tensors for Triton and torch).
 The signatures, for R model rows of a model with d parameters on a ClientData ``data``:
 
     local_steps(model, theta [R, d], data, rows [R] | None, batches int32 [R, steps, B] | None,
-                anchor [R, d] | [d] | None, grad_scale [R] | None, steps, lr, prox) -> None  (in place)
-    gradients(model, theta, data, rows, batches int32 [R, B] | None) -> [R, d]
-    evaluate(model, theta, data, rows) -> (loss_sum [R], correct int64 [R], count int64 [R])
-    hvp(model, theta, v [R, d], data, rows, batches int32 [R, B]) -> [R, d]
+                anchor [R, d] | [d] | None, grad_scale [R] | None, steps, lr, prox, trusted) -> None  (in place)
+    gradients(model, theta [R, d] | [d], data, rows, batches int32 [R, B] | None, trusted) -> [R, d]
+    evaluate(model, theta [R, d] | [d], data, rows) -> (loss_sum [R], correct int64 [R], count int64 [R])
+    hvp(model, theta, v [R, d], data, rows, batches int32 [R, B], trusted) -> [R, d]
     sample_batches(data, clients [R] | None, steps, batch_size, seed, counter) -> int32 [R, steps, B]
     kmeans_assign(points [N, d], centroids [K, d]) -> (labels int64 [N], sqdist [N])
     kmeans_update(points, labels int64 [N], weights [N] | None, centroids [K, d]) -> weight sums f64 [K]  (in place)
@@ -22,7 +22,10 @@ The signatures, for R model rows of a model with d parameters on a ClientData ``
     gram(vecs [k, D]) -> f64 [k, k] (CPU)
     average(theta [M, d], weights [M], rows [R] | None) -> [d]
 
-``rows`` None means every client in order (R = m) and is never materialized.
+``rows`` None means every client in order (R = m) and is never materialized. A ``theta`` of
+shape [d] is one model shared by every row (evaluating or differentiating a global model on all
+clients without an [m, d] copy). ``trusted``: the batch indices were drawn by the run's context
+(``Context.batches``), so the adapter may skip checking that they lie in their clients' rows.
 """
 from __future__ import annotations
 

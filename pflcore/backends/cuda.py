@@ -164,7 +164,7 @@ class CudaAdapter(Adapter):
                     f"C = {most} classes in {_dtype(dtype)}")
         return None
 
-    def local_steps(self, model, theta, data, rows, batches, anchor, grad_scale, steps, lr, prox):
+    def local_steps(self, model, theta, data, rows, batches, anchor, grad_scale, steps, lr, prox, trusted=False):
         if steps == 0:
             return
         _values.glm_fault(model, theta, data, rows, batches, anchor, grad_scale)
@@ -175,8 +175,9 @@ class CudaAdapter(Adapter):
                    ptr(anchor, "anchor", dev, dt), anchor is not None and anchor.dim() == 1,
                    ptr(grad_scale, "grad_scale", dev, dt), steps, lr, prox, dtype_name(theta), stream(theta))
 
-    def gradients(self, model, theta, data, rows, batches):
+    def gradients(self, model, theta, data, rows, batches, trusted=False):
         _values.glm_fault(model, theta, data, rows, batches)
+        theta = _values.one_per_row(theta, data, rows)
         out = torch.empty_like(theta)
         dev = theta.device
         with torch.cuda.device(dev):
@@ -185,8 +186,13 @@ class CudaAdapter(Adapter):
                    ptr(out, "out", dev, theta.dtype), dtype_name(theta), stream(theta))
         return out
 
-    def evaluate(self, model, theta, data, rows):
+    def evaluate(self, model, theta, data, rows, batches=None, trusted=False):
+        if batches is not None:  # the kernel evaluates whole clients: a sample of rows goes to torch
+            from pflcore.backends.reference import ReferenceAdapter
+
+            return ReferenceAdapter().evaluate(model, theta, data, rows, batches, trusted)
         _values.glm_fault(model, theta, data, rows)
+        theta = _values.one_per_row(theta, data, rows)
         R, dev = theta.shape[0], theta.device
         loss = torch.empty(R, dtype=theta.dtype, device=dev)
         correct = torch.empty(R, dtype=torch.int64, device=dev)

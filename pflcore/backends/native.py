@@ -49,7 +49,7 @@ class NativeAdapter(Adapter):
 
     # ---- model ops (GLMs only: nets go to the nets adapter) ----------------------------------
 
-    def local_steps(self, model, theta, data, rows, batches, anchor, grad_scale, steps, lr, prox):
+    def local_steps(self, model, theta, data, rows, batches, anchor, grad_scale, steps, lr, prox, trusted=False):
         # sizes by numel(): ~3x cheaper than .shape[i], and this is a small call's hot path
         x, offsets = data.x, data.offsets
         R = theta.numel() // model.d
@@ -61,31 +61,34 @@ class NativeAdapter(Adapter):
             offsets.numel() - 1, 0 if rows is None else rows.data_ptr(),
             0 if batches is None else batches.data_ptr(), 0 if batches is None else batches.numel() // (R * steps),
             0 if anchor is None else anchor.data_ptr(), anchor is not None and anchor.dim() == 1,
-            0 if grad_scale is None else grad_scale.data_ptr(), steps, lr, prox)
+            0 if grad_scale is None else grad_scale.data_ptr(), steps, lr, prox, not trusted)
 
-    def gradients(self, model, theta, data, rows, batches):
+    def gradients(self, model, theta, data, rows, batches, trusted=False):
         x, offsets = data.x, data.offsets
-        out = torch.empty_like(theta)
-        R = theta.numel() // model.d
+        shared = theta.dim() == 1  # one model for every row
+        R = (offsets.numel() - 1 if rows is None else rows.numel()) if shared else theta.numel() // model.d
+        out = torch.empty(R, model.d, dtype=theta.dtype)
         if R == 0:
             return out
         self._core.gradients(
             theta.dtype is _F64, model.code, model.p, model.C, model.fit_intercept, model.l2,
-            theta.data_ptr(), R, x.data_ptr(), x.numel() // model.p, data.y.data_ptr(), offsets.data_ptr(),
+            theta.data_ptr(), shared, R, x.data_ptr(), x.numel() // model.p, data.y.data_ptr(), offsets.data_ptr(),
             offsets.numel() - 1, _ptr(rows), _ptr(batches), 0 if batches is None else batches.numel() // R,
-            out.data_ptr())
+            out.data_ptr(), not trusted)
         return out
 
-    def evaluate(self, model, theta, data, rows):
+    def evaluate(self, model, theta, data, rows, batches=None, trusted=False):
         x, offsets = data.x, data.offsets
-        R = theta.numel() // model.d
+        shared = theta.dim() == 1  # one model for every row
+        R = (offsets.numel() - 1 if rows is None else rows.numel()) if shared else theta.numel() // model.d
         loss = torch.empty(R, dtype=theta.dtype)
         counts = torch.empty(2, R, dtype=torch.int64)  # correct, count: one allocation
         if R:
             self._core.evaluate(
                 theta.dtype is _F64, model.code, model.p, model.C, model.fit_intercept, model.l2,
-                theta.data_ptr(), R, x.data_ptr(), x.numel() // model.p, data.y.data_ptr(), offsets.data_ptr(),
-                offsets.numel() - 1, _ptr(rows), loss.data_ptr(), counts.data_ptr(), counts.data_ptr() + 8 * R)
+                theta.data_ptr(), shared, R, x.data_ptr(), x.numel() // model.p, data.y.data_ptr(), offsets.data_ptr(),
+                offsets.numel() - 1, _ptr(rows), _ptr(batches), 0 if batches is None else batches.numel() // R,
+                loss.data_ptr(), counts.data_ptr(), counts.data_ptr() + 8 * R, not trusted)
         return loss, counts[0], counts[1]
 
     # ---- the rest ---------------------------------------------------------------------------

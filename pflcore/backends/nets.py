@@ -311,24 +311,32 @@ def gradients(model: TorchNet, theta_t: torch.Tensor, data: ClientData, rows_t: 
 
 # ---- evaluate ----------------------------------------------------------------------------------
 
-def evaluate(model: TorchNet, theta_t: torch.Tensor, data: ClientData, rows_t: torch.Tensor):
+def evaluate(model: TorchNet, theta_t: torch.Tensor, data: ClientData, rows_t: torch.Tensor,
+             batches: Optional[torch.Tensor] = None):
     """``(loss_sum [R], correct int64 [R], count int64 [R])``: cross-entropy summed over the
-    client's rows (no l2), rows whose first maximal logit is the label, rows."""
+    client's rows (or the rows ``batches [R, B]``; no l2), rows whose first maximal logit is the
+    label, rows."""
     R = theta_t.shape[0]
     loss = torch.empty(R, dtype=theta_t.dtype, device=theta_t.device)
     correct = torch.empty(R, dtype=torch.int64, device=theta_t.device)
-    count = data.sizes[rows_t].clone()
+    count = data.sizes[rows_t].clone() if batches is None else \
+        torch.full((R,), batches.shape[1], dtype=torch.int64, device=theta_t.device)
     logits = _logits_fn(model)
 
     def work(c0: int, c1: int) -> None:
-        idx, w = _full_batch(data, rows_t[c0:c1])
+        if batches is None:
+            idx, w = _full_batch(data, rows_t[c0:c1])
+        else:
+            idx = batches[c0:c1].to(torch.int64)
+            w = torch.ones(idx.shape, dtype=data.dtype, device=data.device)
         y = data.y[idx]
         z = logits(model.split(theta_t[c0:c1]), data.x[idx])                       # [c, n, C]
         ce = F.cross_entropy(z.reshape(-1, z.shape[-1]), y.reshape(-1), reduction="none").view(y.shape)
         real = w > 0
         loss[c0:c1] = torch.where(real, ce, torch.zeros((), dtype=ce.dtype, device=ce.device)).sum(1)
         correct[c0:c1] = ((z.argmax(-1) == y) & real).sum(1)
-    _for_chunks(list(_chunks(model, R, _max_rows(data, rows_t), data.dtype, data.device)), work, data.device)
+    per = _max_rows(data, rows_t) if batches is None else batches.shape[1]
+    _for_chunks(list(_chunks(model, R, per, data.dtype, data.device)), work, data.device)
     return loss, correct, count
 
 
@@ -369,21 +377,23 @@ class NetsAdapter(Adapter):
     def _load(self):
         return torch, f"torch.func over all clients (torch {torch.__version__})"
 
-    def local_steps(self, model, theta, data, rows, batches, anchor, grad_scale, steps, lr, prox):
+    def local_steps(self, model, theta, data, rows, batches, anchor, grad_scale, steps, lr, prox, trusted=False):
         if steps == 0:
             return
         _values.glm_fault(model, theta, data, rows, batches, anchor, grad_scale)
         local_steps(model, theta, data, _all_rows(data, rows), batches, anchor, grad_scale, steps, lr, prox)
 
-    def gradients(self, model, theta, data, rows, batches):
+    def gradients(self, model, theta, data, rows, batches, trusted=False):
         _values.glm_fault(model, theta, data, rows, batches)
+        theta = _values.one_per_row(theta, data, rows)
         return gradients(model, theta, data, _all_rows(data, rows), batches)
 
-    def evaluate(self, model, theta, data, rows):
-        _values.glm_fault(model, theta, data, rows)
-        return evaluate(model, theta, data, _all_rows(data, rows))
+    def evaluate(self, model, theta, data, rows, batches=None, trusted=False):
+        _values.glm_fault(model, theta, data, rows, batches)
+        theta = _values.one_per_row(theta, data, rows)
+        return evaluate(model, theta, data, _all_rows(data, rows), batches)
 
-    def hvp(self, model, theta, v, data, rows, batches):
+    def hvp(self, model, theta, v, data, rows, batches, trusted=False):
         _values.glm_fault(model, theta, data, rows, batches)
         _values.finite_rows(v, "v")
         return hvp(model, theta, v, data, batches)

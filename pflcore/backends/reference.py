@@ -197,7 +197,7 @@ class ReferenceAdapter(Adapter):
 
     # ---- model ops --------------------------------------------------------------------------
 
-    def local_steps(self, model, theta, data, rows, batches, anchor, grad_scale, steps, lr, prox):
+    def local_steps(self, model, theta, data, rows, batches, anchor, grad_scale, steps, lr, prox, trusted=False):
         if steps == 0:
             return
         _values.glm_fault(model, theta, data, rows, batches, anchor, grad_scale)
@@ -219,8 +219,9 @@ class ReferenceAdapter(Adapter):
                     g = grad_sum(model, th, X, y) / X.shape[0]
                 th -= lr * (scale * g + model.l2 * th + prox * (th - a))
 
-    def gradients(self, model, theta, data, rows, batches):
+    def gradients(self, model, theta, data, rows, batches, trusted=False):
         _values.glm_fault(model, theta, data, rows, batches)
+        theta = _values.one_per_row(theta, data, rows)
         rows = _rows(data, rows)
         b = None if batches is None else batches.to(torch.int64)
         net = isinstance(model, TorchNet)
@@ -236,9 +237,11 @@ class ReferenceAdapter(Adapter):
                 out[r] = (grad_sum(model, W, X, y) / X.shape[0] + model.l2 * W).reshape(-1)
         return out
 
-    def evaluate(self, model, theta, data, rows):
-        _values.glm_fault(model, theta, data, rows)
+    def evaluate(self, model, theta, data, rows, batches=None, trusted=False):
+        _values.glm_fault(model, theta, data, rows, batches)
+        theta = _values.one_per_row(theta, data, rows)
         rows = _rows(data, rows)
+        b = None if batches is None else batches.to(torch.int64)
         R, dev = theta.shape[0], theta.device
         loss = torch.empty(R, dtype=theta.dtype, device=dev)
         hits = torch.empty(R, dtype=torch.int64, device=dev)
@@ -248,7 +251,7 @@ class ReferenceAdapter(Adapter):
         with torch.no_grad():
             for r in range(R):
                 lo, hi = _client_rows(data, int(rows[r]))
-                X, y = data.x[lo:hi], data.y[lo:hi]
+                X, y = (data.x[lo:hi], data.y[lo:hi]) if b is None else (data.x[b[r]], data.y[b[r]])
                 if net:
                     torch.nn.utils.vector_to_parameters(theta[r], module.parameters())
                     z = module(model.input_view(X))
@@ -258,10 +261,10 @@ class ReferenceAdapter(Adapter):
                     z = logits(model, theta[r].view(model.P, model.C), X)
                     loss[r] = loss_dz(model, z, y)[0].sum()
                     hits[r] = correct(model, z, y)
-                count[r] = hi - lo
+                count[r] = X.shape[0]
         return loss, hits, count
 
-    def hvp(self, model, theta, v, data, rows, batches):
+    def hvp(self, model, theta, v, data, rows, batches, trusted=False):
         _values.glm_fault(model, theta, data, rows, batches)
         _values.finite_rows(v, "v")
         if isinstance(model, TorchNet):

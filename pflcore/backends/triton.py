@@ -48,21 +48,27 @@ class TritonAdapter(Adapter):
     def serves(self, device_type: str) -> bool:
         return device_type in (("cuda", "cpu") if self.interpreted else self.devices)
 
-    def local_steps(self, model, theta, data, rows, batches, anchor, grad_scale, steps, lr, prox):
+    def local_steps(self, model, theta, data, rows, batches, anchor, grad_scale, steps, lr, prox, trusted=False):
         if steps == 0:
             return
         _values.glm_fault(model, theta, data, rows, batches, anchor, grad_scale)
         self.module.local_steps(model, theta, data, _rows(data, rows, theta.device), batches, anchor, grad_scale,
                                 steps, lr, prox)
 
-    def gradients(self, model, theta, data, rows, batches):
+    def gradients(self, model, theta, data, rows, batches, trusted=False):
         _values.glm_fault(model, theta, data, rows, batches)
+        theta = _values.one_per_row(theta, data, rows)
         out = torch.empty_like(theta)
         self.module.gradients(model, theta, data, _rows(data, rows, theta.device), batches, out)
         return out
 
-    def evaluate(self, model, theta, data, rows):
+    def evaluate(self, model, theta, data, rows, batches=None, trusted=False):
+        if batches is not None:  # the kernel evaluates whole clients: a sample of rows goes to torch
+            from pflcore.backends.reference import ReferenceAdapter
+
+            return ReferenceAdapter().evaluate(model, theta, data, rows, batches, trusted)
         _values.glm_fault(model, theta, data, rows)
+        theta = _values.one_per_row(theta, data, rows)
         R, dev = theta.shape[0], theta.device
         loss = torch.empty(R, dtype=theta.dtype, device=dev)
         correct = torch.empty(R, dtype=torch.int64, device=dev)

@@ -8,7 +8,9 @@ on failure.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+import contextlib
+import contextvars
+from typing import Iterator, Optional, Tuple
 
 import torch
 
@@ -19,6 +21,27 @@ from pflcore.models.glm import GLM
 from pflcore.models.nets import TorchNet
 
 _F32, _F64, _I64, _I32 = torch.float32, torch.float64, torch.int64, torch.int32
+
+# The algorithm whose init or round is running (``pflcore.run`` sets it), else None. Inside one,
+# the plain ops refuse to run: an algorithm calls them through its context (``ctx.local_steps``
+# ...), which binds the run's model and data, counts client-steps, and is what is correct when
+# the clients are sharded over ranks.
+IN_ALGORITHM: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("pflcore_in_algorithm", default=None)
+
+
+@contextlib.contextmanager
+def inside(algorithm: str) -> Iterator[None]:
+    token = IN_ALGORITHM.set(algorithm)
+    try:
+        yield
+    finally:
+        IN_ALGORITHM.reset(token)
+
+
+def refuse_inside_algorithm(op: str) -> None:
+    name = IN_ALGORITHM.get()
+    raise RuntimeError(f"ops.{op} called inside {name}: an algorithm calls ctx.{op} (bound to the run's model, data "
+                       f"and device, counted as client-steps, and correct when the clients are sharded over ranks)")
 _MODELS = (GLM, TorchNet)
 _NARROW_INTS = (torch.int8, torch.int16, torch.int32, torch.uint8)
 
@@ -68,10 +91,11 @@ def same_device(t: torch.Tensor, x: torch.Tensor, name: str) -> None:
 
 
 def theta_arg(theta, model, x: torch.Tensor, m: int, rows: Optional[torch.Tensor], *, inplace: bool,
-              name: str = "theta") -> Tuple[torch.Tensor, Kind]:
+              name: str = "theta", shared: bool = False) -> Tuple[torch.Tensor, Kind]:
     """The parameters [R, d] as a tensor and how to return results: R = m without ``rows``, else
     one row per entry of ``rows``. ``inplace``: the op writes into it, so it must be contiguous
-    and writable; an immutable foreign array (JAX) is copied and a new one is returned."""
+    and writable; an immutable foreign array (JAX) is copied and a new one is returned.
+    ``shared``: a [d] vector is one model for every row."""
     if type(theta) is torch.Tensor:
         t, kind = theta, TORCH
         if not (t.is_cpu and x.is_cpu):
@@ -84,10 +108,12 @@ def theta_arg(theta, model, x: torch.Tensor, m: int, rows: Optional[torch.Tensor
         same_device(t, x, name)
     ts = t.shape
     R = m if rows is None else rows.numel()
+    if shared and len(ts) == 1 and ts[0] == model.d:
+        return (t if t.is_contiguous() else t.contiguous()), kind
     if len(ts) != 2 or ts[1] != model.d or ts[0] != R:
         if rows is not None and len(ts) == 2 and ts[1] == model.d:
             raise ValueError(f"rows: expected one client per row of {name}, i.e. shape [{ts[0]}], got [{R}]")
-        check_shape(t, name, (R, model.d), "[m, d]" if rows is None else "[R, d]")
+        check_shape(t, name, (R, model.d), ("[m, d]" if rows is None else "[R, d]") + (" or [d]" if shared else ""))
     if inplace:
         if not kind.writable:
             if kind.name == "numpy":
@@ -185,5 +211,5 @@ def _overlap(t: torch.Tensor, lo: int, hi: int) -> bool:
     return a < hi and lo < a + t.nbytes
 
 
-__all__ = ["TORCH", "apart_from", "batches_arg", "check_data", "check_model", "rows_arg", "same_device",
+__all__ = ["IN_ALGORITHM", "inside", "refuse_inside_algorithm", "TORCH", "apart_from", "batches_arg", "check_data", "check_model", "rows_arg", "same_device",
            "theta_arg", "vector_arg"]

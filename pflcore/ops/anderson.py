@@ -22,7 +22,7 @@ from pflcore.ops._args import same_device
 
 def _solve(G: torch.Tensor, reg: float) -> torch.Tensor:
     """π [k] for the float64 Gram matrix G [k, k] on the host (k <= memory + 1: tiny), by the
-    backend that serves CPU tensors (the native core when it is built)."""
+    backend that serves CPU tensors (a compiled core when there is one)."""
     return backend.select("anderson_solve", None, G).anderson_solve(G, reg)
 
 
@@ -47,7 +47,7 @@ def anderson_weights(residuals, reg: float = 1e-8):
 
 def anderson_weights_ref(residuals, reg: float = 1e-8):
     """``anderson_weights`` on the reference (the Gram matrix and the solve in torch)."""
-    with backend.use("reference"):
+    with backend.reference():
         return anderson_weights(residuals, reg)
 
 

@@ -5,12 +5,20 @@ from __future__ import annotations
 from pflcore import backend
 from pflcore._arrays import from_tensor, to_tensor
 from pflcore._checks import check_float, check_shape
-from pflcore.ops._args import rows_arg, same_device
+from pflcore.ops._args import IN_ALGORITHM, refuse_inside_algorithm, rows_arg, same_device
 
 
 def average(theta, weights, rows=None):
     """``[d]`` weighted mean of ``theta [m, d]`` over ``rows`` (default all) with ``weights [m]``
-    (finite, >= 0, with a positive sum over the rows; checked as they are read)."""
+    (finite, >= 0, with a positive sum over the rows; checked as they are read). Inside an
+    algorithm, use ``ctx.average`` (a collective when the clients are sharded)."""
+    if IN_ALGORITHM.get() is not None:
+        refuse_inside_algorithm("average")
+    return run_average(theta, weights, rows)
+
+
+def run_average(theta, weights, rows=None):
+    """``average`` without the algorithm guard (the context's one-process P_H)."""
     theta_t, kind = to_tensor(theta, "theta")
     check_float(theta_t, "theta")
     if theta_t.dim() != 2 or theta_t.shape[0] < 1:
@@ -31,5 +39,5 @@ def average(theta, weights, rows=None):
 
 def average_ref(theta, weights, rows=None):
     """``average`` on the pure-torch reference."""
-    with backend.use("reference"):
+    with backend.reference():
         return average(theta, weights, rows)

@@ -6,21 +6,34 @@ from __future__ import annotations
 
 from pflcore import backend
 from pflcore._arrays import from_tensor
-from pflcore.ops._args import check_data, check_model, rows_arg, theta_arg
+from pflcore.ops._args import (IN_ALGORITHM, batches_arg, check_data, check_model, refuse_inside_algorithm, rows_arg,
+                               theta_arg)
 
 
-def evaluate(model, theta, data, *, rows=None):
-    """``(loss_sum [R], correct int64 [R], count int64 [R])`` of every model row, as arrays of
-    theta's kind. Values are checked as they are read (DESIGN.md §8)."""
+def evaluate(model, theta, data, *, rows=None, batches=None):
+    """``(loss_sum [R], correct int64 [R], count int64 [R])`` of every model row on its client's
+    rows, or on ``batches [R, B]`` (int32 absolute row indices in each row's client: a sample),
+    as arrays of theta's kind; ``theta`` [d] is one model for every row (a global model at every
+    client, without an [m, d] copy). Values are checked as they are read (DESIGN.md §8). Inside
+    an algorithm, use ``ctx.evaluate``."""
+    if IN_ALGORITHM.get() is not None:
+        refuse_inside_algorithm("evaluate")
+    return run_evaluate(model, theta, data, rows, batches, False)
+
+
+def run_evaluate(model, theta, data, rows, batches=None, trusted: bool = False):
+    """``evaluate`` without the algorithm guard (the context's, and the round loop's metrics)."""
     check_model(model)
     x, N, m = check_data(model, data)
     rows_t = rows_arg(rows, x)
-    theta_t, kind = theta_arg(theta, model, x, m, rows_t, inplace=False)
-    out = backend.select("evaluate", model, theta_t).evaluate(model, theta_t, data, rows_t)
+    theta_t, kind = theta_arg(theta, model, x, m, rows_t, inplace=False, shared=True)
+    R = (m if rows_t is None else rows_t.numel()) if theta_t.dim() == 1 else theta_t.shape[0]
+    batches_t = batches_arg(batches, x, R, None)
+    out = backend.select("evaluate", model, theta_t).evaluate(model, theta_t, data, rows_t, batches_t, trusted)
     return tuple(from_tensor(t, kind) for t in out)
 
 
-def evaluate_ref(model, theta, data, *, rows=None):
+def evaluate_ref(model, theta, data, *, rows=None, batches=None):
     """``evaluate`` on the pure-torch reference (a loop over model rows)."""
-    with backend.use("reference"):
-        return evaluate(model, theta, data, rows=rows)
+    with backend.reference():
+        return evaluate(model, theta, data, rows=rows, batches=batches)

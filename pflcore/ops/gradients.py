@@ -5,24 +5,34 @@ from __future__ import annotations
 
 from pflcore import backend
 from pflcore._arrays import from_tensor
-from pflcore.ops._args import batches_arg, check_data, check_model, rows_arg, theta_arg
+from pflcore.ops._args import (IN_ALGORITHM, batches_arg, check_data, check_model, refuse_inside_algorithm, rows_arg,
+                               theta_arg)
 
 
 def gradients(model, theta, data, *, rows=None, batches=None):
     """``[R, d]`` gradients of each row's client objective at ``theta`` [R, d] (a new array of
-    theta's kind). ``batches``: ``int32 [R, B]`` absolute row indices of each row's minibatch
-    (each in its client's rows); None = every row of the client. Values are checked as they are
-    read (DESIGN.md §8)."""
+    theta's kind); ``theta`` [d] is one model for every row (e.g. a global model at every
+    client, without an [m, d] copy). ``batches``: ``int32 [R, B]`` absolute row indices of each
+    row's minibatch (each in its client's rows); None = every row of the client. Values are
+    checked as they are read (DESIGN.md §8). Inside an algorithm, use ``ctx.gradients``."""
+    if IN_ALGORITHM.get() is not None:
+        refuse_inside_algorithm("gradients")
+    return run_gradients(model, theta, data, rows, batches, False)
+
+
+def run_gradients(model, theta, data, rows, batches, trusted: bool):
+    """``gradients`` without the algorithm guard (``Context``)."""
     check_model(model)
     x, N, m = check_data(model, data)
     rows_t = rows_arg(rows, x)
-    theta_t, kind = theta_arg(theta, model, x, m, rows_t, inplace=False)
-    batches_t = batches_arg(batches, x, theta_t.shape[0], None)
-    out = backend.select("gradients", model, theta_t).gradients(model, theta_t, data, rows_t, batches_t)
+    theta_t, kind = theta_arg(theta, model, x, m, rows_t, inplace=False, shared=True)
+    R = (m if rows_t is None else rows_t.numel()) if theta_t.dim() == 1 else theta_t.shape[0]
+    batches_t = batches_arg(batches, x, R, None)
+    out = backend.select("gradients", model, theta_t).gradients(model, theta_t, data, rows_t, batches_t, trusted)
     return from_tensor(out, kind)
 
 
 def gradients_ref(model, theta, data, *, rows=None, batches=None):
     """``gradients`` on the pure-torch reference (a loop over model rows)."""
-    with backend.use("reference"):
+    with backend.reference():
         return gradients(model, theta, data, rows=rows, batches=batches)

@@ -6,12 +6,21 @@ from __future__ import annotations
 
 from pflcore import backend
 from pflcore._arrays import from_tensor
-from pflcore.ops._args import batches_arg, check_data, check_model, rows_arg, theta_arg
+from pflcore.ops._args import (IN_ALGORITHM, batches_arg, check_data, check_model, refuse_inside_algorithm, rows_arg,
+                               theta_arg)
 
 
 def hvp(model, theta, v, data, *, batches, rows=None):
     """``[R, d]``: the Hessian of each row's minibatch objective at ``theta [R, d]`` times
-    ``v [R, d]``; ``batches``: ``int32 [R, B]`` absolute row indices in each row's client."""
+    ``v [R, d]``; ``batches``: ``int32 [R, B]`` absolute row indices in each row's client.
+    Inside an algorithm, use ``ctx.hvp``."""
+    if IN_ALGORITHM.get() is not None:
+        refuse_inside_algorithm("hvp")
+    return run_hvp(model, theta, v, data, batches, rows, False)
+
+
+def run_hvp(model, theta, v, data, batches, rows, trusted: bool):
+    """``hvp`` without the algorithm guard (``Context``)."""
     check_model(model)
     x, N, m = check_data(model, data)
     rows_t = rows_arg(rows, x)
@@ -21,12 +30,12 @@ def hvp(model, theta, v, data, *, batches, rows=None):
     if batches is None:
         raise ValueError("batches: expected int32 [R, B] minibatch indices (ops.sample_batches), got None")
     batches_t = batches_arg(batches, x, R, None)
-    out = backend.select("hvp", model, theta_t).hvp(model, theta_t, v_t, data, rows_t, batches_t)
+    out = backend.select("hvp", model, theta_t).hvp(model, theta_t, v_t, data, rows_t, batches_t, trusted)
     return from_tensor(out, kind)
 
 
 def hvp_ref(model, theta, v, data, *, batches, rows=None):
     """``hvp`` on the reference: the closed form above for GLMs; for nets, double backward on a
     ``torch.nn`` module, one row at a time."""
-    with backend.use("reference"):
+    with backend.reference():
         return hvp(model, theta, v, data, batches=batches, rows=rows)

@@ -24,7 +24,7 @@ from pflcore._arrays import from_tensor, to_tensor
 from pflcore._checks import MAX_COUNT, check_float, check_positive_int, check_real, check_shape
 from pflcore._comm import Comm
 from pflcore.errors import NonFiniteError
-from pflcore.ops._args import same_device
+from pflcore.ops._args import IN_ALGORITHM, refuse_inside_algorithm, same_device
 
 _ONE_PROCESS = Comm()
 
@@ -63,6 +63,8 @@ def kmeans_assign(points, centroids):
     """Nearest centroid of every point: ``(labels int64 [N], sqdist [N])``, as arrays of the
     points' kind. NaN/inf in the centroids or the points is a NonFiniteError naming the first
     bad row."""
+    if IN_ALGORITHM.get() is not None:
+        refuse_inside_algorithm("kmeans_assign")
     points_t, kind = _points(points)
     labels, sqdist = _assign(points_t, _centroids(centroids, points_t))
     return from_tensor(labels, kind), from_tensor(sqdist, kind)
@@ -71,7 +73,7 @@ def kmeans_assign(points, centroids):
 def kmeans_assign_ref(points, centroids):
     """``kmeans_assign`` on the reference: squared differences in chunks of points, then argmin
     (the first minimum, i.e. ties go to the lowest index)."""
-    with backend.use("reference"):
+    with backend.reference():
         return kmeans_assign(points, centroids)
 
 
@@ -199,8 +201,16 @@ def kmeans(points, k=None, *, init="k-means++", iters: int = 100, tol: float = 1
     ``tol`` times the total variance of the points. ``weights [N]`` are sample weights. The
     inertia never increases across iterations; ``history`` records it. ``comm``: a
     communicator (``pflcore.distributed``) when each rank holds part of the points; the result's
-    labels are then this rank's, the centroids and inertia global.
+    labels are then this rank's, the centroids and inertia global. Inside an algorithm, use
+    ``ctx.kmeans``.
     """
+    if IN_ALGORITHM.get() is not None:
+        refuse_inside_algorithm("kmeans")
+    return run_kmeans(points, k, init, iters, tol, seed, weights, comm)
+
+
+def run_kmeans(points, k, init, iters, tol, seed, weights, comm: Optional[Comm]) -> KMeans:
+    """``kmeans`` without the algorithm guard (``Context.kmeans``)."""
     comm = _ONE_PROCESS if comm is None else comm
     points_t, kind = _points(points)
     N = comm.sum(int(points_t.shape[0]))
@@ -239,5 +249,5 @@ def kmeans(points, k=None, *, init="k-means++", iters: int = 100, tol: float = 1
 def kmeans_ref(points, k=None, *, init="k-means++", iters: int = 100, tol: float = 1e-6, seed: int = 0,
                weights=None) -> KMeans:
     """``kmeans`` with every assignment and update on the pure-torch reference."""
-    with backend.use("reference"):
+    with backend.reference():
         return kmeans(points, k, init=init, iters=iters, tol=tol, seed=seed, weights=weights)

@@ -11,8 +11,8 @@ from __future__ import annotations
 from pflcore import backend
 from pflcore._arrays import TORCH, from_tensor, to_tensor
 from pflcore._checks import MAX_COUNT, check_float, check_positive_int, check_real, check_shape
-from pflcore.ops._args import (apart_from, batches_arg, check_data, check_model, rows_arg, same_device, theta_arg,
-                               vector_arg)
+from pflcore.ops._args import (IN_ALGORITHM, apart_from, batches_arg, check_data, check_model,
+                               refuse_inside_algorithm, rows_arg, same_device, theta_arg, vector_arg)
 
 
 def _anchor(anchor, x, R: int, d: int):
@@ -54,10 +54,20 @@ def local_steps(model, theta, data, *, steps, lr, prox=0.0, anchor=None, batches
 
     Values are checked as they are read (DESIGN.md §8): a bad client index, batch index or
     label is a ValueError, NaN/inf in theta, the anchor, grad_scale, x or y a NonFiniteError,
-    each naming the argument and the first bad index. The native kernels then leave the model
+    each naming the argument and the first bad index. The compiled CPU kernels then leave the model
     rows that hit the bad value unchanged (the other rows are updated); the other backends
     check everything before they write.
+
+    Inside an algorithm's round, use ``ctx.local_steps`` (this raises RuntimeError there).
     """
+    if IN_ALGORITHM.get() is not None:
+        refuse_inside_algorithm("local_steps")
+    return run_local_steps(model, theta, data, steps, lr, prox, anchor, batches, rows, grad_scale, False)
+
+
+def run_local_steps(model, theta, data, steps, lr, prox, anchor, batches, rows, grad_scale, trusted: bool):
+    """``local_steps`` without the algorithm guard; ``trusted``: the batch indices were drawn by
+    the caller's run context (``Context``), so the kernels need not check them."""
     check_model(model)
     x, N, m = check_data(model, data)
     steps = check_positive_int(steps, "steps", minimum=0, maximum=MAX_COUNT)
@@ -71,7 +81,7 @@ def local_steps(model, theta, data, *, steps, lr, prox=0.0, anchor=None, batches
     scale_t = vector_arg(grad_scale, "grad_scale", x, R)
     data, anchor_t, scale_t, rows_t, batches_t = apart_from(theta_t, data, anchor_t, scale_t, rows_t, batches_t)
     backend.select("local_steps", model, theta_t).local_steps(
-        model, theta_t, data, rows_t, batches_t, anchor_t, scale_t, steps, lr, prox)
+        model, theta_t, data, rows_t, batches_t, anchor_t, scale_t, steps, lr, prox, trusted)
     if kind is TORCH or kind.writable:
         return theta  # the caller's own array, updated in place
     return from_tensor(theta_t, kind)  # an immutable array (JAX): a new one
@@ -81,6 +91,6 @@ def local_steps_ref(model, theta, data, *, steps, lr, prox=0.0, anchor=None, bat
                     grad_scale=None):
     """``local_steps`` on the pure-torch reference (a loop over model rows and steps;
     ``pflcore/backends/reference.py``): the same checks, errors and result."""
-    with backend.use("reference"):
+    with backend.reference():
         return local_steps(model, theta, data, steps=steps, lr=lr, prox=prox, anchor=anchor, batches=batches,
                            rows=rows, grad_scale=grad_scale)

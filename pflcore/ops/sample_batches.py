@@ -13,7 +13,7 @@ import torch
 from pflcore import backend
 from pflcore._checks import MAX_COUNT, check_positive_int
 from pflcore.client_data import ClientData
-from pflcore.ops._args import rows_arg
+from pflcore.ops._args import IN_ALGORITHM, refuse_inside_algorithm, rows_arg
 
 _M32 = 0xFFFFFFFF
 
@@ -28,7 +28,15 @@ def sample_batches(data, *, steps, batch_size, seed, counter, clients=None):
     """``int32 [R, steps, batch_size]`` absolute row indices into ``data.x`` (a torch tensor on
     the data's device), one batch per step for each client in ``clients`` (default: all m,
     R = m). The hash takes the global client id ``data.first_client + clients[r]``, so a shard
-    draws what the whole federation draws for the same clients."""
+    draws what the whole federation draws for the same clients. Inside an algorithm, use
+    ``ctx.batches``."""
+    if IN_ALGORITHM.get() is not None:
+        refuse_inside_algorithm("sample_batches")
+    return run_sample_batches(data, steps, batch_size, seed, counter, clients)
+
+
+def run_sample_batches(data, steps, batch_size, seed, counter, clients):
+    """``sample_batches`` without the algorithm guard (``Context.batches``)."""
     if not isinstance(data, ClientData):
         raise ValueError(f"data: expected a pflcore.ClientData, got {type(data).__name__}")
     steps = check_positive_int(steps, "steps", minimum=0, maximum=MAX_COUNT)
@@ -46,5 +54,5 @@ def sample_batches(data, *, steps, batch_size, seed, counter, clients=None):
 
 def sample_batches_ref(data, *, steps, batch_size, seed, counter, clients=None):
     """``sample_batches`` on the reference: the same hash written in torch."""
-    with backend.use("reference"):
+    with backend.reference():
         return sample_batches(data, steps=steps, batch_size=batch_size, seed=seed, counter=counter, clients=clients)

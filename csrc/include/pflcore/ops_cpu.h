@@ -26,6 +26,7 @@ struct GlmProblem {
   int64_t m;               // clients
   const int64_t* rows;     // [R] client of each model row, or null: row r is client r (R = m)
   int64_t R;               // model rows
+  bool check_batches = true;  // false: the batch indices were drawn by the caller's run context
   int64_t d() const { return (p + (intercept ? 1 : 0)) * C; }
 };
 
@@ -47,12 +48,16 @@ void local_steps(const GlmProblem<T>& prob, const LocalStepsArgs<T>& args, Fault
 
 // Gradient of f_i at each row: the mean loss over client i's rows, or over batch[r] when
 // batches is given, plus l2·θ.
+// theta_stride: d (one model per row) or 0 (one model [d] for every row).
 template <typename T>
-void gradients(const GlmProblem<T>& prob, const T* theta /*[R, d]*/, const int32_t* batches /*[R, B] or null*/,
-               int64_t batch_size, T* out /*[R, d]*/, Faults& faults);
+void gradients(const GlmProblem<T>& prob, const T* theta /*[R, d] or [d]*/, int64_t theta_stride,
+               const int32_t* batches /*[R, B] or null*/, int64_t batch_size, T* out /*[R, d]*/, Faults& faults);
 
+// Loss sum, correctly classified rows and rows of each model row on its client's rows, or on
+// batches[r] (a sample of them) when batches is given.
 template <typename T>
-void evaluate(const GlmProblem<T>& prob, const T* theta /*[R, d]*/, T* loss_sum /*[R]*/,
+void evaluate(const GlmProblem<T>& prob, const T* theta /*[R, d] or [d]*/, int64_t theta_stride,
+              const int32_t* batches /*[R, B] or null*/, int64_t batch_size, T* loss_sum /*[R]*/,
               int64_t* correct /*[R]*/, int64_t* count /*[R]*/, Faults& faults);
 
 // Checks that the centroids, then the points, are finite (NaN/inf would never be chosen, or
