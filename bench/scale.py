@@ -135,10 +135,10 @@ def _timed_evaluations(run_module, peaks, store):
     """Wrap run's evaluate_round so that each call is timed and gets its own memory phase."""
     original = run_module.evaluate_round
 
-    def wrapper(algorithm, state, ctx, t):
+    def wrapper(algorithm, state, ctx, t, *args, **kwargs):
         before = peaks.start()
         t0 = time.perf_counter()
-        row = original(algorithm, state, ctx, t)
+        row = original(algorithm, state, ctx, t, *args, **kwargs)
         store.append(time.perf_counter() - t0)
         peaks.stop(f"{algorithm.name} evaluate (round {t})", before, seconds=store[-1])
         return row
