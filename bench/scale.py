@@ -41,18 +41,17 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import datetime
 import gc
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
 
+from _harness import RESULTS, machine_info, now, read_json, warn_if_busy, write_json
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-RESULTS = os.path.join(HERE, "results")
 TOML = os.path.join(ROOT, "experiments", "pfedme_table1_synthetic_mlr.toml")
 DEFAULT_CLIENTS = [1_000, 10_000, 100_000, 1_000_000]
 
@@ -280,22 +279,6 @@ def data_worker(m: int) -> dict:
 
 # ---- the parent: one process per m, table, JSON, plot -------------------------------------------
 
-def _machine() -> dict:
-    info = {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()}
-    try:
-        info["load_1min"] = os.getloadavg()[0]
-        with open("/proc/meminfo") as f:
-            info["mem_total_bytes"] = int(f.readline().split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                        text=True).stdout.strip()
-    except OSError:
-        pass
-    return info
-
-
 def _child(args: list, threads: int = 1) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__)] + args
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
@@ -379,11 +362,9 @@ def main(argv=None) -> None:
         print(json.dumps(data_worker(args.data_worker)))
         return
 
-    result = {}
-    if os.path.exists(args.out):
-        with open(args.out) as f:
-            result = json.load(f)
-    measured = {"when": datetime.datetime.now().isoformat(timespec="seconds"), "machine": _machine()}
+    result = read_json(args.out)
+    warn_if_busy()
+    measured = {"timestamp": now(), **machine_info(), "worker_threads": args.threads}
     if args.data:
         result["generator"] = {"measured": measured, "rows": [_child(["--data-worker", str(m)])
                                                               for m in (20_000, 100_000)]}
@@ -409,10 +390,7 @@ def main(argv=None) -> None:
                                        f"{args.cohort} clients per round, {args.rounds} rounds, eval_every=1"}
         print(table(rows))
         plot(rows, os.path.splitext(args.out)[0] + ".png")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {args.out}")
+    print(f"wrote {write_json(args.out, result, machine=False)}")
 
 
 if __name__ == "__main__":
