@@ -174,17 +174,21 @@ ffi::Error LocalSteps(ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> out, 
     return invalid(op, "grad_scale: expected [R] of x's dtype");
   const double lr_v = scalar(lr), prox_v = scalar(prox);
   // the checks of pflcore._checks.check_real, for a traced lr or prox
-  if (!(lr_v - lr_v == 0.0) || !(lr_v > 0.0))
-    return invalid(op, "ValueError: lr: expected a finite number > 0.0, got " + std::to_string(lr_v));
-  if (!(prox_v - prox_v == 0.0) || !(prox_v >= 0.0))
-    return invalid(op, "ValueError: prox: expected a finite number >= 0.0, got " + std::to_string(prox_v));
+  char msg[512];
+  if (!(lr_v - lr_v == 0.0) || !(lr_v > 0.0)) {
+    std::snprintf(msg, sizeof msg, "ValueError: lr: expected a finite number > 0.0, got %g", lr_v);
+    return invalid(op, msg);
+  }
+  if (!(prox_v - prox_v == 0.0) || !(prox_v >= 0.0)) {
+    std::snprintf(msg, sizeof msg, "ValueError: prox: expected a finite number >= 0.0, got %g", prox_v);
+    return invalid(op, msg);
+  }
   void* theta_out = out->untyped_data();
   record({theta.untyped_data(), x.untyped_data(), y.untyped_data(), offsets.untyped_data(),
           rows ? rows->untyped_data() : nullptr, batches ? batches->untyped_data() : nullptr,
           anchor ? anchor->untyped_data() : nullptr, scale ? scale->untyped_data() : nullptr, theta_out});
   // XLA aliases the result with theta (input_output_aliases); were it ever not to, start from theta
   if (theta_out != theta.untyped_data()) std::memcpy(theta_out, theta.untyped_data(), theta.size_bytes());
-  char msg[512];
   const int status = g_table->local_steps(&g, theta_out, batches ? static_cast<const int32_t*>(batches->untyped_data()) : nullptr,
                                           B, anchor ? anchor->untyped_data() : nullptr,
                                           anchor && anchor->dimensions().size() == 1,
