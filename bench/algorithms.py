@@ -79,10 +79,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import datetime
-import json
 import os
-import platform
 import time
 
 import torch
@@ -92,9 +89,9 @@ import pflcore
 from pflcore import backend
 from pflcore.algorithms import Context, PFedMe
 from pflcore.models import MLP, Softmax
-from pflcore.ops import _nets
 
-from kernels import best_of, machine_extra, passed, print_table  # same style and helpers
+from _harness import (best_of, loadavg, machine_info, now, print_table, read_json, rows_from, torch_threads, warn_if_busy,
+                      write_json)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 HYPER = dict(lam=15.0, lr=0.005, personal_lr=0.01, inner_steps=5, local_rounds=20, beta=1.0, batch_size=20,
@@ -159,14 +156,7 @@ def torch_loop(ctx, w, t, clients, S, **hyper):
                                **hyper)
 
 
-@contextlib.contextmanager
-def threads(n):
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
+threads = torch_threads
 
 
 @contextlib.contextmanager
@@ -174,7 +164,7 @@ def instrumented(ctx):
     """Accumulates the time spent in ctx.batches, ops.local_steps and _core.local_steps."""
     import pflcore.algorithms.pfedme as pfedme_mod
     acc = dict(batches=0.0, local_steps=0.0, kernel=0.0)
-    core = backend._load("native")[0]
+    core = backend.loaded("native")
 
     def timed(key, fn):
         def wrapper(*a, **k):
@@ -234,7 +224,7 @@ def bench(args, m):
             times_a[th] = best_of(lambda s: alg.round(s, ctx, t), args.repeats, lambda: copy.deepcopy(state0))
             # (b) on all clients or the first --slow-clients, scaled by client count.
             times_b[th] = m / ms * best_of(
-                lambda _: torch_loop(ctx, state0.w, t, torch.arange(ms), S, **HYPER), slow_reps)
+                lambda: torch_loop(ctx, state0.w, t, torch.arange(ms), S, **HYPER), slow_reps)
         print(f"[timing] {th} thread(s): (a) {times_a[th]:.4f} s, (b) {times_b[th]:.4f} s per round")
     t_a, t_b = min(times_a.values()), min(times_b.values())
     # Instrumented rounds at (a)'s faster thread count: where the time goes (the fastest run).
@@ -287,7 +277,14 @@ def torch_loop_net(ctx, w, t, clients, S, **hyper):
 
 @contextlib.contextmanager
 def mlp_path(hand_written):
-    old = _nets.HAND_WRITTEN_MLP
+    """Switches pflcore's MLP path (a private switch of the nets module: the op layer is being
+    rebuilt, so a missing switch raises a clear error instead of timing the wrong path)."""
+    try:
+        from pflcore.ops import _nets
+        old = _nets.HAND_WRITTEN_MLP
+    except (ImportError, AttributeError) as e:
+        raise SystemExit(f"pfedme_round_mlp: pflcore no longer has the MLP path switch this part compares ({e}); "
+                         "run the other parts with --only") from None
     _nets.HAND_WRITTEN_MLP = hand_written
     try:
         yield
@@ -341,7 +338,7 @@ def bench_mlp(args, m, hidden=100):
                 times_v[th] = best_of(lambda s: alg.round(s, ctx, t), max(1, min(args.repeats, 3)),
                                       lambda: copy.deepcopy(state0))
             times_b[th] = m / ms * best_of(
-                lambda _: torch_loop_net(ctx, state0.w, t, torch.arange(ms), S, **HYPER), slow_reps)
+                lambda: torch_loop_net(ctx, state0.w, t, torch.arange(ms), S, **HYPER), slow_reps)
         print(f"[timing] {th} thread(s): (a) {times_a[th]:.3f} s, (a') vmap {times_v[th]:.3f} s, "
               f"(b) {times_b[th]:.3f} s per round")
     t_a, t_v, t_b = min(times_a.values()), min(times_v.values()), min(times_b.values())
@@ -468,49 +465,25 @@ def main():
     status = backend.status()
     if not status["native"][0]:
         raise SystemExit(f"the native backend is not available: {status['native'][1]}")
-    load_start = os.getloadavg()[0]
-    if load_start > 0.5:
-        print(f"warning: 1-minute load average is {load_start:.2f} before starting; other processes "
-              f"compete for the {os.cpu_count()} cores and the timings will be noisy")
+    warn_if_busy()
     t0 = time.perf_counter()
-    results = {}
-    if os.path.exists(args.out):  # keep the parts not run now
-        with open(args.out) as f:
-            results = json.load(f)
-        for part in PARTS:  # entries written before parts had their own record: the file's was theirs
-            if part in results and "measured" not in results[part]:
-                old_machine, old_config = results.get("machine", {}), results.get("config", {})
-                results[part]["measured"] = dict(
-                    timestamp=results.get("timestamp"), git_commit=old_machine.get("git_commit"),
-                    quick=old_config.get("quick"), repeats=old_config.get("repeats"),
-                    slow_clients=old_config.get("slow_clients"), torch_threads=old_machine.get("torch_threads"),
-                    loadavg_1min_start=old_machine.get("loadavg_1min_start"),
-                    loadavg_1min_end=old_machine.get("loadavg_1min_end"))
-    extra = machine_extra()
+    # The parts not run now keep their entries (each carries its own ``measured`` record).
+    results = {part: entry for part, entry in read_json(args.out).items() if part in PARTS}
     run_fn = {"pfedme_round": bench, "pfedme_round_mlp": bench_mlp, "anderson_share": bench_anderson_share}
     for part in parts:
-        l0 = os.getloadavg()[0]
+        l0 = loadavg()
         results[part] = run_fn[part](args, m)
         results[part]["measured"] = dict(
-            timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat(), git_commit=extra["git_commit"],
-            quick=args.quick, repeats=args.repeats, slow_clients=args.slow_clients, torch_threads=torch.get_num_threads(),
-            loadavg_1min_start=l0, loadavg_1min_end=os.getloadavg()[0])
+            timestamp=now(), git_commit=machine_info()["git_commit"], quick=args.quick, repeats=args.repeats,
+            slow_clients=args.slow_clients, torch_threads=torch.get_num_threads(), loadavg_1min_start=l0,
+            loadavg_1min_end=loadavg())
     rows_now = [row for part in parts for row in ROWS[part](results[part])]
     print_table(rows_now)
-    results["table"] = [dict(name=n, time_s=t, value=v, target=tg, sense=s, passed=passed(v, tg, s))
-                        for part in PARTS if part in results for n, t, v, tg, s in ROWS[part](results[part])]
-    results["machine"] = dict(
-        torch_threads=torch.get_num_threads(), cpu_count=os.cpu_count(), platform=platform.platform(),
-        python=platform.python_version(), torch=torch.__version__, pflcore=pflcore.__version__,
-        backends={k: list(v) for k, v in status.items()}, loadavg_1min_start=load_start,
-        loadavg_1min_end=os.getloadavg()[0], **extra)
+    results["table"] = [r.as_dict() for part in PARTS if part in results for r in rows_from(ROWS[part](results[part]))]
     results["config"] = dict(quick=args.quick, repeats=args.repeats, slow_clients=args.slow_clients,
                              max_size=args.max_size, parts=parts)
-    results["timestamp"] = datetime.datetime.now(datetime.timezone.utc).isoformat()
     results["total_wall_s"] = time.perf_counter() - t0
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=2)
+    write_json(args.out, results)
     print(f"\nwrote {args.out} (parts run now: {', '.join(parts)}; {results['total_wall_s']:.0f} s)")
 
 

@@ -33,10 +33,8 @@ Writes ``--out`` (default bench/results/distributed.json).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import socket
 import subprocess
 import sys
@@ -116,6 +114,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker:
         return worker(args.worker)
+    from _harness import warn_if_busy, write_json  # the workers need none of it
+
+    warn_if_busy()
     per_rank = [8, 32] if args.quick else [32, 128, 512]
     tmp = tempfile.mkdtemp(prefix="pflcore_bench_dist_")
     table = {}
@@ -146,15 +147,12 @@ def main() -> None:
                      "constant_in_clients_per_rank": constant, "constant_from_round_2": later})
     print(f"\nweak scaling smoke (FedAvg, {weak_n} clients per rank, 1 thread per rank): "
           f"1 rank {min(one):.4f} s/round, 2 ranks {min(two):.4f} s/round (2 cores: a smoke test, not a scaling claim)")
-    result = {"when": datetime.datetime.now().isoformat(timespec="seconds"), "machine": platform.platform(),
-              "cpus": os.cpu_count(), "load_average_1min": os.getloadavg()[0], "rounds": args.rounds,
+    result = {"rounds": args.rounds,
               "clients_per_rank": per_rank, "d": 610, "rows": rows,
               "weak_scaling": {"clients_per_rank": weak_n, "seconds_per_round_1_rank": one,
                                "seconds_per_round_2_ranks": two},
               "seconds": time.perf_counter() - t0}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump(result, fh, indent=1)
+    write_json(args.out, result)
     print(f"wrote {args.out}")
 
 

@@ -37,11 +37,7 @@ a dry run writes bench/results/gpu_dryrun.json).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import math
 import os
-import platform
 import sys
 import time
 
@@ -72,6 +68,7 @@ def main(argv=None) -> int:
               "Run it on a machine with a GPU, or `python bench/gpu.py --dry-run` to check the script on the CPU.")
         return 0
     sys.path.insert(0, HERE)
+    import _harness as harness
     import gpu_workloads as W
 
     cfg = W.Config.dry_run(args) if args.dry_run else W.Config.full(args)
@@ -79,11 +76,8 @@ def main(argv=None) -> int:
     rows = W.table_rows(results)
     W.print_table(rows)
     out = args.out or os.path.join(HERE, "results", "gpu_dryrun.json" if args.dry_run else "gpu.json")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    results.update(table=rows, timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                   python=platform.python_version(), argv=sys.argv[1:])
-    with open(out, "w") as f:
-        json.dump(results, f, indent=2, default=lambda v: None if isinstance(v, float) and math.isnan(v) else str(v))
+    results.update(table=rows, argv=sys.argv[1:])
+    harness.write_json(out, results)
     print(f"wrote {out}")
     return 0
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from typing import Dict, List, Optional
 
 import numpy as np
@@ -13,6 +12,8 @@ import torch
 
 import pflcore
 from pflcore import backend, models, ops
+
+import _harness as harness
 
 
 @dataclasses.dataclass
@@ -48,18 +49,10 @@ def sync(device):
 
 
 def best_of(fn, cfg: Config, setup=lambda: None, repeats: Optional[int] = None) -> float:
-    """Best wall time of ``fn()`` over the repeats, after one untimed warm-up call."""
-    setup()
-    fn()
-    best = math.inf
-    for _ in range(repeats or cfg.repeats):
-        setup()
-        sync(cfg.device)
-        t0 = time.perf_counter()
-        fn()
-        sync(cfg.device)
-        best = min(best, time.perf_counter() - t0)
-    return best
+    """Best wall time of ``fn()`` over the repeats, after one untimed warm-up call; the device is
+    synchronized around each timed call."""
+    return harness.best_of(lambda _: fn(), repeats or cfg.repeats, setup=setup, sync=lambda: sync(cfg.device),
+                           warmup=1)
 
 
 def usable(names, out: Dict):

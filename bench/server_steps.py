@@ -35,10 +35,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
-import json
 import os
-import platform
 import time
 
 import torch
@@ -47,39 +44,7 @@ from pflcore import algorithms as A
 from pflcore import data, models, ops
 from pflcore.algorithms import perm as perm_module
 
-
-def best_of(fn, repeats):
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-class Timer:
-    """Wraps module attributes and accumulates the seconds spent inside them."""
-
-    def __init__(self, targets):
-        self.targets, self.seconds, self.saved = targets, 0.0, []
-
-    def __enter__(self):
-        for module, name in self.targets:
-            fn = getattr(module, name)
-            self.saved.append((module, name, fn))
-
-            def timed(*a, _fn=fn, **k):
-                t0 = time.perf_counter()
-                try:
-                    return _fn(*a, **k)
-                finally:
-                    self.seconds += time.perf_counter() - t0
-            setattr(module, name, timed)
-        return self
-
-    def __exit__(self, *exc):
-        for module, name, fn in self.saved:
-            setattr(module, name, fn)
+from _harness import Stopwatch, best_of, warn_if_busy, write_json
 
 
 def bench_cgpfl(m, repeats):
@@ -93,7 +58,7 @@ def bench_cgpfl(m, repeats):
     best = None
     for _ in range(repeats):
         s = copy.deepcopy(state)
-        with Timer([(A.Context, "kmeans"), (A.Context, "cluster_means")]) as timer:
+        with Stopwatch([(A.Context, "kmeans"), (A.Context, "cluster_means")]) as timer:
             t0 = time.perf_counter()
             alg.round(s, ctx, 3)
             total = time.perf_counter() - t0
@@ -150,6 +115,7 @@ def main():
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "server_steps.json"))
     args = ap.parse_args()
     m_cgpfl, m_perm = (2000, 500) if args.quick else (10_000, 2000)
+    warn_if_busy()
     cg = bench_cgpfl(m_cgpfl, args.repeats)
     pe = bench_perm(m_perm, args.repeats)
     print(f"CGPFL round, m = {cg['m']:,}: {cg['round_s'] * 1e3:.1f} ms, clustering {cg['clustering_s'] * 1e3:.1f} ms"
@@ -161,12 +127,8 @@ def main():
     print(f"  vs PERM's shuffling round, pairs with α = 0 skipped ({pe['mean_active_weights_per_client']:.1f} nonzero "
           f"weights per client): {pe['shuffle_round_s'] * 1e3:.1f} ms, ratio {pe['ratio_to_shuffle_round']:.1f}; α every "
           f"{pe['alpha_every']} rounds = {pe['alpha_per_round_amortized_s'] * 1e3:.1f} ms per round")
-    out = {"cgpfl_clustering": cg, "perm_mixing_weights": pe, "threads": torch.get_num_threads(),
-           "load_average_1min": os.getloadavg()[0], "machine": platform.platform(), "torch": torch.__version__,
-           "timestamp": datetime.datetime.now().isoformat(timespec="seconds"), "quick": args.quick}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump(out, fh, indent=1)
+    out = {"cgpfl_clustering": cg, "perm_mixing_weights": pe, "quick": args.quick, "repeats": args.repeats}
+    write_json(args.out, out)
     print(f"wrote {args.out}")
 
 

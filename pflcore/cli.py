@@ -129,8 +129,14 @@ def _add_run(sub) -> None:
     p.set_defaults(func=_run, accepts_overrides=True)
 
 
+def _add_bench(sub) -> None:
+    from pflcore import bench_cli
+
+    bench_cli.add_parser(sub)  # `pflcore bench`: the benchmark suite of a checkout (bench/)
+
+
 # Subcommands, in the order `pflcore --help` lists them: each adds its parser to `sub`.
-COMMANDS: List[Callable] = [_add_run, _add_info]
+COMMANDS: List[Callable] = [_add_run, _add_bench, _add_info]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -163,7 +169,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             return USAGE_ERROR
         args = _parse(parser, argv)
         return args.func(args)
-    except SystemExit as exc:  # --help, or a library calling sys.exit
+    except SystemExit as exc:  # --help, or a library calling sys.exit (with a message: one line)
+        if isinstance(exc.code, str):
+            print(f"pflcore: error: {exc.code}", file=sys.stderr)
+            return USAGE_ERROR
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else RUN_FAILED)
     except KeyboardInterrupt:
         print("pflcore: interrupted", file=sys.stderr)
