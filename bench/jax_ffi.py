@@ -26,10 +26,8 @@ Writes bench/results/jax_ffi.json.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -37,7 +35,7 @@ import time
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from _harness import RESULTS, warn_if_busy, write_json
 
 _PROBE = ("import time, json; t0 = time.perf_counter(); import pflcore.jax as p; s = p.status(); "
           "print(json.dumps([s['ffi'], s['compile_seconds'], time.perf_counter() - t0]))")
@@ -75,11 +73,12 @@ def main():
     ap.add_argument("--compiles", type=int, default=3)
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "jax_ffi.json"))
+    ap.add_argument("--out", default=os.path.join(RESULTS, "jax_ffi.json"))
     args = ap.parse_args()
     if args.quick:
         args.compiles, args.calls, args.repeats = 1, 200, 3
 
+    warn_if_busy()
     comp = compile_times(args.compiles)
 
     import jax
@@ -160,9 +159,8 @@ def main():
 
     us = lambda d: {k: round(v * 1e6, 2) for k, v in d.items()}  # noqa: E731
     result = {
-        "timestamp": datetime.datetime.now().isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_1min": os.getloadavg()[0],
-                    "jax": jax.__version__, "compiler": _shim.compiler()},
+        "measured": {"jax": jax.__version__, "compiler": _shim.compiler(), "calls": args.calls,
+                     "repeats": args.repeats},
         "compile": comp,
         "small_local_steps_us": us(small_t),
         "small_ratios": {k: round(v / small_t["numpy_path"], 2) for k, v in small_t.items()},
@@ -172,9 +170,7 @@ def main():
         "large_ratio_jit_ffi_vs_numpy": round(large_t["jit_ffi"] / large_t["numpy_path"], 3),
     }
     print(json.dumps(result, indent=1))
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    print("wrote", write_json(args.out, result))
 
 
 if __name__ == "__main__":

@@ -34,6 +34,12 @@ from __future__ import annotations
 
 from typing import Dict
 
+import jax as _jax
+
+if not hasattr(_jax, "ffi") or not hasattr(_jax.ffi, "ffi_call"):
+    raise ImportError(f"pflcore.jax needs jax >= 0.5 (the jax.ffi module), found jax {_jax.__version__}: "
+                      f"pip install -U jax  (or pflcore's extra: pip install '.[jax]')")
+
 from pflcore.jax import _data  # noqa: F401  (registers the pytrees)
 from pflcore.jax import _shim
 from pflcore.jax._ops import evaluate, gradients, kmeans_assign, local_steps

@@ -36,7 +36,7 @@ if sys.byteorder != "little":  # pragma: no cover - every platform JAX supports 
 
 def x64() -> bool:
     """Whether JAX has int64/float64 here (``jax_enable_x64``, or inside ``jax.enable_x64(True)``)."""
-    return bool(jax.enable_x64.value)
+    return bool(jax.config.jax_enable_x64)
 
 
 class TracedClientData(ClientData):
