@@ -239,6 +239,23 @@ def test_bad_metadata_is_refused_when_traced(ffi):
         pjax.kmeans_assign(jnp.ones((5, 4)), jnp.ones((2, 3)))
 
 
+def test_the_shim_refuses_inconsistent_buffers_from_a_direct_ffi_call(ffi):
+    """The targets are registered process-wide: a caller that reaches them through
+    jax.ffi.ffi_call with shapes that do not fit gets an error, not an out-of-bounds read."""
+    model, data, theta = _problem("softmax")
+    x, y, off = jax.tree.leaves(data)
+    attrs = dict(family=np.int64(2), C=np.int64(3), intercept=True, l2=np.float64(0.0), check_batches=True)
+    short = jnp.zeros((4, 5), jnp.float32)  # d = 21 expected
+    call = jax.ffi.ffi_call("pflcore_local_steps", jax.ShapeDtypeStruct(short.shape, short.dtype),
+                            input_output_aliases={0: 0})
+    _run_raises(r"theta: expected \[R, d\]", lambda: call(short, x, y, off, jnp.float32(0.1), jnp.float32(0.0),
+                                                          steps=np.int64(1), has=np.int64(0), **attrs))
+    _run_raises("the operands do not match", lambda: call(short, x, y, off, jnp.float32(0.1), jnp.float32(0.0),
+                                                          steps=np.int64(1), has=np.int64(1), **attrs))
+    grads = jax.ffi.ffi_call("pflcore_gradients", jax.ShapeDtypeStruct((4, 21), jnp.float32))
+    _run_raises("y: expected int64", lambda: grads(jnp.asarray(theta), x, y[:5], off, has=np.int64(0), **attrs))
+
+
 # ---- the callback path, and the cache -------------------------------------------------------
 
 def test_pure_callback_fallback_warns_and_gives_the_same_numbers(ffi, monkeypatch):
