@@ -276,6 +276,14 @@ def test_pure_callback_fallback_warns_and_gives_the_same_numbers(ffi, monkeypatc
             jnp.asarray(theta[:1]), data))
 
 
+def test_without_a_compiler_the_shim_says_why(ffi, monkeypatch):
+    monkeypatch.setenv("PFLCORE_CXX", "/nonexistent/c++")
+    assert _shim._load() == {"ffi": False, "reason": "the C++ compiler '/nonexistent/c++' (PFLCORE_CXX or CXX) "
+                                                     "is not on PATH"}
+    monkeypatch.setenv("PFLCORE_JAX_FFI", "0")
+    assert _shim._load()["reason"] == "PFLCORE_JAX_FFI=0"
+
+
 def test_the_compiled_shim_is_cached_across_processes(ffi):
     code = "import pflcore.jax as p, json; s = p.status(); print(json.dumps([s['ffi'], s['library'], s['compile_seconds']]))"
     env = dict(os.environ, JAX_PLATFORMS="cpu")

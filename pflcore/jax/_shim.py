@@ -82,7 +82,7 @@ def _build(cxx: list, include_dir: Path, target: Path) -> float:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=LIBRARY + ".", suffix=".tmp", dir=target.parent)
     os.close(fd)
-    cmd = cxx + list(FLAGS) + [f"-I{include_dir}", f"-I{INCLUDE}", str(SOURCE), "-o", tmp]
+    cmd = cxx + list(FLAGS) + ["-isystem", str(include_dir), f"-I{INCLUDE}", str(SOURCE), "-o", tmp]
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -110,7 +110,9 @@ def _load() -> Dict[str, object]:
         return {"ffi": False, "reason": "PFLCORE_JAX_FFI=0"}
     cxx = compiler()
     if cxx is None:
-        return {"ffi": False, "reason": "no C++ compiler found (set PFLCORE_CXX or CXX, or install g++ or clang++)"}
+        given = os.environ.get("PFLCORE_CXX") or os.environ.get("CXX")
+        return {"ffi": False, "reason": (f"the C++ compiler {given!r} (PFLCORE_CXX or CXX) is not on PATH" if given
+                                         else "no C++ compiler found (install g++ or clang++, or set PFLCORE_CXX)")}
     include_dir = Path(jax.ffi.include_dir())
     if not (include_dir / "xla" / "ffi" / "api" / "ffi.h").is_file():
         return {"ffi": False, "reason": f"jaxlib {jaxlib.__version__} ships no XLA FFI headers at {include_dir}"}
