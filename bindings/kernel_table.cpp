@@ -110,7 +110,8 @@ template <typename T>
 int kmeans_assign_t(const void* points, int64_t N, int64_t d, const void* centroids, int64_t K, int64_t* labels,
                     void* sqdist, char* err, size_t err_size) {
   if (!(N >= 0 && d >= 1 && K >= 1 && centroids && (N == 0 || (points && labels && sqdist))))
-    return fail(PFLCORE_BAD_CALL, err, err_size, "kmeans_assign", "expected N >= 0, d >= 1, K >= 1 and non-null buffers");
+    return fail(PFLCORE_BAD_CALL, err, err_size, "kmeans_assign",
+                "expected N >= 0, d >= 1, K >= 1 and non-null buffers");
   if (N == 0) return PFLCORE_OK;
   Faults faults;
   cpu::kmeans_assign<T>(static_cast<const T*>(points), static_cast<const T*>(centroids), N, K, d, labels,
@@ -133,7 +134,8 @@ int c_local_steps(const pflcore_glm* g, void* theta, const int32_t* batches, int
                   int32_t anchor_shared, const void* grad_scale, int64_t steps, double lr, double prox, char* err,
                   size_t err_size) {
   if (!g) return fail(PFLCORE_BAD_CALL, err, err_size, "local_steps", "glm must not be null");
-#define CALL(T) local_steps_t<T>(*g, theta, batches, B, anchor, anchor_shared, grad_scale, steps, lr, prox, err, err_size)
+#define CALL(T) \
+  local_steps_t<T>(*g, theta, batches, B, anchor, anchor_shared, grad_scale, steps, lr, prox, err, err_size)
   PFL_C_ENTRY(g->f64, CALL, err, err_size, "local_steps")
 #undef CALL
 }

@@ -285,7 +285,8 @@ def test_without_a_compiler_the_shim_says_why(ffi, monkeypatch):
 
 
 def test_the_compiled_shim_is_cached_across_processes(ffi):
-    code = "import pflcore.jax as p, json; s = p.status(); print(json.dumps([s['ffi'], s['library'], s['compile_seconds']]))"
+    code = ("import pflcore.jax as p, json; s = p.status(); "
+            "print(json.dumps([s['ffi'], s['library'], s['compile_seconds']]))")
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -198,7 +198,8 @@ def _host_data(x, y, off, pairs) -> ClientData:
     with warnings.catch_warnings():  # the callback's arrays are read-only, and are only read
         warnings.simplefilter("ignore", UserWarning)
         data.x = torch.from_numpy(np.ascontiguousarray(x))
-        data.y = torch.from_numpy(_host_int64(y, pairs[0]) if pairs[0] or y.dtype == np.int64 else np.ascontiguousarray(y))
+        labels = pairs[0] or y.dtype == np.int64
+        data.y = torch.from_numpy(_host_int64(y, pairs[0]) if labels else np.ascontiguousarray(y))
         data.offsets = torch.from_numpy(_host_int64(off, pairs[1]))
     data.first_client = 0
     return data

@@ -47,7 +47,9 @@ ffi::Error invalid(const char* op, const std::string& what) {
 
 ffi::Error from_status(const char* op, int status, const char* msg) {
   if (status == PFLCORE_OK) return ffi::Error::Success();
-  const char* kind = status == PFLCORE_NON_FINITE ? "NonFiniteError: " : status == PFLCORE_BAD_VALUE ? "ValueError: " : "";
+  const char* kind = status == PFLCORE_NON_FINITE ? "NonFiniteError: "
+                     : status == PFLCORE_BAD_VALUE  ? "ValueError: "
+                                                    : "";
   return invalid(op, std::string(kind) + msg);
 }
 
@@ -58,7 +60,8 @@ bool is_float(const ffi::AnyBuffer& b) {
 // The buffer as int64 storage of n values: S64 [.. n ..] or S32 [.. n .., 2]; null if not.
 const int64_t* int64_data(const ffi::AnyBuffer& b, int64_t n) {
   const auto dims = b.dimensions();
-  if (b.element_type() == ffi::DataType::S64 && int64_t(b.element_count()) == n) return static_cast<int64_t*>(b.untyped_data());
+  if (b.element_type() == ffi::DataType::S64 && int64_t(b.element_count()) == n)
+    return static_cast<int64_t*>(b.untyped_data());
   if (b.element_type() == ffi::DataType::S32 && dims.size() >= 1 && dims.back() == 2 &&
       int64_t(b.element_count()) == 2 * n)
     return static_cast<int64_t*>(b.untyped_data());
@@ -115,7 +118,8 @@ std::string glm_of(const ffi::AnyBuffer& theta, const ffi::AnyBuffer& x, const f
   g->l2 = l2;
   g->x = x.untyped_data();
   if (family == 0) {
-    if (y.element_type() != x.element_type() || int64_t(y.element_count()) != g->N) return "y: expected [N] floats of x's dtype";
+    if (y.element_type() != x.element_type() || int64_t(y.element_count()) != g->N)
+      return "y: expected [N] floats of x's dtype";
     g->y = y.untyped_data();
   } else {
     g->y = int64_data(y, g->N);
@@ -189,10 +193,11 @@ ffi::Error LocalSteps(ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> out, 
           anchor ? anchor->untyped_data() : nullptr, scale ? scale->untyped_data() : nullptr, theta_out});
   // XLA aliases the result with theta (input_output_aliases); were it ever not to, start from theta
   if (theta_out != theta.untyped_data()) std::memcpy(theta_out, theta.untyped_data(), theta.size_bytes());
-  const int status = g_table->local_steps(&g, theta_out, batches ? static_cast<const int32_t*>(batches->untyped_data()) : nullptr,
-                                          B, anchor ? anchor->untyped_data() : nullptr,
+  const int32_t* batch_rows = batches ? static_cast<const int32_t*>(batches->untyped_data()) : nullptr;
+  const int status = g_table->local_steps(&g, theta_out, batch_rows, B, anchor ? anchor->untyped_data() : nullptr,
                                           anchor && anchor->dimensions().size() == 1,
-                                          scale ? scale->untyped_data() : nullptr, steps, lr_v, prox_v, msg, sizeof msg);
+                                          scale ? scale->untyped_data() : nullptr, steps, lr_v, prox_v, msg,
+                                          sizeof msg);
   return from_status(op, status, msg);
 }
 
@@ -261,7 +266,8 @@ ffi::Error Evaluate(ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> loss, f
   if (!why.empty()) return invalid(op, why);
   int64_t* correct_p = const_cast<int64_t*>(int64_data(*correct, mr.g.R));
   int64_t* count_p = const_cast<int64_t*>(int64_data(*count, mr.g.R));
-  if (loss->element_type() != theta.element_type() || int64_t(loss->element_count()) != mr.g.R || !correct_p || !count_p)
+  if (loss->element_type() != theta.element_type() || int64_t(loss->element_count()) != mr.g.R || !correct_p ||
+      !count_p)
     return invalid(op, "the results must be [R] of theta's dtype, int64 [R] and int64 [R]");
   char msg[512];
   return from_status(op, g_table->evaluate(&mr.g, theta.untyped_data(), mr.shared, mr.batches, mr.B,
