@@ -35,7 +35,8 @@ import time
 
 import numpy as np
 
-from _harness import RESULTS, warn_if_busy, write_json
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _harness, even under PYTHONSAFEPATH
+from _harness import RESULTS, warn_if_busy, write_json  # noqa: E402
 
 _PROBE = ("import time, json; t0 = time.perf_counter(); import pflcore.jax as p; s = p.status(); "
           "print(json.dumps([s['ffi'], s['compile_seconds'], time.perf_counter() - t0]))")

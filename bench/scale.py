@@ -48,7 +48,8 @@ import subprocess
 import sys
 import time
 
-from _harness import RESULTS, machine_info, now, read_json, warn_if_busy, write_json
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _harness, even under PYTHONSAFEPATH
+from _harness import RESULTS, machine_info, now, read_json, warn_if_busy, write_json  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

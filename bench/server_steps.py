@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import sys
 import time
 
 import torch
@@ -44,7 +45,8 @@ from pflcore import algorithms as A
 from pflcore import data, models, ops
 from pflcore.algorithms import perm as perm_module
 
-from _harness import Stopwatch, best_of, warn_if_busy, write_json
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _harness, even under PYTHONSAFEPATH
+from _harness import Stopwatch, best_of, warn_if_busy, write_json  # noqa: E402
 
 
 def bench_cgpfl(m, repeats):

@@ -137,7 +137,9 @@ def test_an_anchor_aliasing_theta_gives_one_result_at_any_thread_count():
     so four runs at each of 1 and 2 threads agree bitwise, and with an explicit copy."""
     digests = set()
     for threads in (1, 2, 1, 2, 1, 2, 1, 2):
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+        # cwd = tests/ (no pflcore there) on sys.path so that the snippet can import conftest
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}
+        env["OMP_NUM_THREADS"] = str(threads)
         out = subprocess.run([sys.executable, "-c", ALIAS], capture_output=True, text=True, env=env, timeout=120,
                              cwd=os.path.dirname(__file__))
         assert out.returncode == 0, out.stderr
