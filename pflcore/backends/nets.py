@@ -319,7 +319,7 @@ def _mlp_local_steps(model: MLP, th: torch.Tensor, data: ClientData, batch_idx: 
     """The steps of one chunk ``th [c, d]`` (a view of theta's rows) on minibatches
     ``batch_idx`` (int64 [steps, c, B]) or on ``full = (idx [c, n], w [c, n])`` (every row of
     the clients, padded). θ ← θ(1 − lr(l2 + prox)) + lr·prox·a − lr·g, the shrink and the
-    gradient in one GEMM: ``P.baddbmm_(dz, a, beta=1 − lr(l2 + prox), alpha=−lr)``; with an
+    gradient in one GEMM: ``P.baddbmm_(dz, inputs, beta=1 − lr(l2 + prox), alpha=−lr)``; with an
     anchor and l2 = 0 the anchor term is one ``lerp_`` pass before it (θ + lr·prox·(a − θ))."""
     c = th.shape[0]
     n = batch_idx.shape[2] if batch_idx is not None else full[0].shape[1]
