@@ -496,6 +496,19 @@ bool row_args_ok(const GlmProblem<T>& prob, const LocalStepsArgs<T>& args, int64
   return true;
 }
 
+// Asks for the minibatch's rows before they are read: they lie anywhere in the client's data,
+// so each is a cache miss, and asking for all of them at once overlaps the misses.
+template <typename T>
+inline void prefetch_rows(const GlmProblem<T>& prob, const int32_t* batch, int64_t B, int64_t lo, int64_t hi) {
+  constexpr int64_t kLine = 64 / sizeof(T);
+  for (int64_t j = 0; j < B; ++j) {
+    const int64_t row = batch[j];
+    if (row < lo || row >= hi) continue;  // not read: the check reports it
+    const T* xr = prob.x + row * prob.p;
+    for (int64_t k = 0; k < prob.p; k += kLine) __builtin_prefetch(xr + k);
+  }
+}
+
 // Row r's steps on the row path.
 template <typename T, int64_t CP>
 void local_steps_rowpath(const GlmProblem<T>& prob, const LocalStepsArgs<T>& args, int64_t r, int64_t i, int64_t lo,
@@ -517,6 +530,7 @@ void local_steps_rowpath(const GlmProblem<T>& prob, const LocalStepsArgs<T>& arg
     if (args.batches) {
       const int32_t* batch = args.batches + (r * args.steps + s) * B;
       const auto at = [batch](int64_t t) { return static_cast<int64_t>(batch[t]); };
+      prefetch_rows(prob, batch, B, lo, hi);
       if ((prob.check_batches && !check_batches(batch, B, lo, hi, i, r, s, false, faults)) ||
           !check_rows(prob, at, B, r, faults))
         return;
@@ -586,6 +600,29 @@ void local_steps_family(const GlmProblem<T>& prob, const LocalStepsArgs<T>& args
   });
 }
 
+// What a gradients or evaluate pass of model row r reads: its model (checked, unless one model
+// [d] serves every row), and its rows: the minibatch batches[r] (checked against the client's
+// rows) or the whole client.
+template <typename T>
+struct RowPass {
+  const T* theta;
+  const int32_t* batch;  // [n] or null: rows lo..lo+n
+  int64_t lo, n;
+};
+
+template <typename T>
+bool start_row(const GlmProblem<T>& prob, const T* theta, int64_t theta_stride, const int32_t* batches,
+               int64_t batch_size, int64_t r, RowPass<T>* out, Faults& faults) {
+  int64_t i, lo, hi;
+  if (!client_of_row(prob.rows, prob.offsets, prob.m, prob.N, r, &i, &lo, &hi, faults)) return false;
+  out->theta = theta + r * theta_stride;
+  if (theta_stride && !row_finite(out->theta, prob.d(), "theta", r, faults)) return false;
+  out->batch = batches ? batches + r * batch_size : nullptr;
+  out->lo = lo;
+  out->n = batches ? batch_size : hi - lo;
+  return !(out->batch && prob.check_batches && !check_batches(out->batch, out->n, lo, hi, i, r, 0, true, faults));
+}
+
 template <Family F, typename T, int64_t CP>
 void gradients_family(const GlmProblem<T>& prob, const T* theta, int64_t theta_stride, const int32_t* batches,
                       int64_t batch_size, T* out, Faults& faults) {
@@ -594,13 +631,11 @@ void gradients_family(const GlmProblem<T>& prob, const T* theta, int64_t theta_s
   const int64_t per_pass = batches ? batch_size : widest_client(prob);
   if (!shared_theta_finite(theta, theta_stride, d, faults)) return;
   for_each_model_row<F>(prob, per_pass, prob.R * per_pass * (p + 1) * C, [&](int64_t r, Workspace<F, T>& ws) {
-    int64_t i, lo, hi;
-    if (!client_of_row(prob.rows, prob.offsets, prob.m, prob.N, r, &i, &lo, &hi, faults)) return;
-    const T* th = theta + r * theta_stride;
-    if (theta_stride && !row_finite(th, d, "theta", r, faults)) return;
-    const int32_t* batch = batches ? batches + r * batch_size : nullptr;
-    const int64_t nb = batches ? batch_size : hi - lo;
-    if (batch && prob.check_batches && !check_batches(batch, nb, lo, hi, i, r, 0, true, faults)) return;
+    RowPass<T> rp;
+    if (!start_row(prob, theta, theta_stride, batches, batch_size, r, &rp, faults)) return;
+    const T* th = rp.theta;
+    const int32_t* batch = rp.batch;
+    const int64_t lo = rp.lo, nb = rp.n;
     T* o = out + r * d;
     const T inv_n = T(1) / static_cast<T>(nb);
     if (on_row_path<CP>(nb)) {
@@ -646,13 +681,11 @@ void evaluate_family(const GlmProblem<T>& prob, const T* theta, int64_t theta_st
   const int64_t per_pass = batches ? batch_size : widest_client(prob);
   if (!shared_theta_finite(theta, theta_stride, d, faults)) return;
   for_each_model_row<F>(prob, per_pass, prob.R * per_pass * (p + 1) * C, [&](int64_t r, Workspace<F, T>& ws) {
-    int64_t i, lo, hi;
-    if (!client_of_row(prob.rows, prob.offsets, prob.m, prob.N, r, &i, &lo, &hi, faults)) return;
-    const T* th = theta + r * theta_stride;
-    if (theta_stride && !row_finite(th, d, "theta", r, faults)) return;
-    const int32_t* batch = batches ? batches + r * batch_size : nullptr;
-    const int64_t n = batches ? batch_size : hi - lo;
-    if (batch && prob.check_batches && !check_batches(batch, n, lo, hi, i, r, 0, true, faults)) return;
+    RowPass<T> rp;
+    if (!start_row(prob, theta, theta_stride, batches, batch_size, r, &rp, faults)) return;
+    const T* th = rp.theta;
+    const int32_t* batch = rp.batch;
+    const int64_t lo = rp.lo, n = rp.n;
     int64_t hits = 0;
     T loss = T(0);
     const auto evaluate_rows = [&](auto row_at) {

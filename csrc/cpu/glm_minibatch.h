@@ -150,6 +150,18 @@ inline void backward_block(const T* const* x, int64_t p, bool intercept, const T
   }
 }
 
+// The rows row_at(u0 .. u0 + nb) of one block and their labels; a short block (nb < kRows)
+// repeats its last row.
+template <typename T, typename RowAt>
+inline void gather_block(const T* x, int64_t p, const int64_t* y, RowAt row_at, int64_t u0, int64_t nb,
+                         const T** rows, int64_t* labels) {
+  for (int64_t q = 0; q < kRows; ++q) {
+    const int64_t r = row_at(u0 + std::min(q, nb - 1));
+    rows[q] = x + r * p;
+    labels[q] = y[r];
+  }
+}
+
 // Gradient sum G [P, CP] (zeroed here) of the softmax loss over the B rows rows[0..B) at W;
 // returns the loss sum when `with_loss`.
 template <typename T, int64_t CP, typename RowAt, typename Exp>
@@ -162,11 +174,7 @@ T gradient(const T* x, int64_t p, const int64_t* y, bool intercept, int64_t C, R
     const int64_t nb = std::min<int64_t>(kRows, B - u0);
     const T* rows[kRows];
     int64_t labels[kRows];
-    for (int64_t q = 0; q < kRows; ++q) {
-      const int64_t r = row_at(u0 + std::min(q, nb - 1));
-      rows[q] = x + r * p;
-      labels[q] = y[r];
-    }
+    gather_block(x, p, y, row_at, u0, nb, rows, labels);
     T* z = Z;  // one block's logits at a time: any number of rows
     forward_block<T, CP>(rows, p, intercept, W, z);
     for (int64_t q = 0; q < nb; ++q) loss += softmax_row<T, CP>(z + q * CP, C, labels[q], with_loss, exp_nonpositive);
@@ -187,11 +195,7 @@ T loss_and_hits(const T* x, int64_t p, const int64_t* y, bool intercept, int64_t
     const int64_t nb = std::min<int64_t>(kRows, n - u0);
     const T* rows[kRows];
     int64_t labels[kRows];
-    for (int64_t q = 0; q < kRows; ++q) {
-      const int64_t r = row_at(u0 + std::min(q, nb - 1));
-      rows[q] = x + r * p;
-      labels[q] = y[r];
-    }
+    gather_block(x, p, y, row_at, u0, nb, rows, labels);
     forward_block<T, CP>(rows, p, intercept, W, Z);
     T sums[kRows], tails[kRows];  // loss = log(sum) + tail; padding rows: log 1 + 0
     for (int q = 0; q < kRows; ++q) {

@@ -55,9 +55,10 @@ def _row_message_y(model, y: torch.Tensor, row: int) -> tuple:
     return NonFiniteError, f"y: y[{row}] = {float(v):g} is not finite"
 
 
-def client_rows_fault(rows, offsets, m: int, N: int, name: str = "rows"):
-    """The first bad client index or offsets among ``rows`` (None: every client), as
-    (kind, message) or None; also returns (clients, lo, hi) clamped for further checks."""
+def client_rows_fault(rows, offsets, m: int, N: int):
+    """Per model row, the fault key of its client index (0) or its offsets (1), else _BIG; with
+    the clients (``rows``, or every client for None), the same clamped into range (``safe``),
+    their row ranges [lo, hi), and which indices were out of range."""
     R = m if rows is None else rows.numel()
     clients = torch.arange(R, device=offsets.device) if rows is None else rows
     bad_row = None if rows is None else (rows < 0) | (rows >= m)

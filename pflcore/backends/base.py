@@ -82,3 +82,11 @@ class Adapter:
                                and callable(getattr(cls, n)))
             cls._ops = cached
         return cached
+
+
+def evaluation_outputs(R: int, dtype, device):
+    """(loss_sum [R], correct int64 [R], count int64 [R]): what a kernel's evaluate writes."""
+    import torch
+
+    return (torch.empty(R, dtype=dtype, device=device), torch.empty(R, dtype=torch.int64, device=device),
+            torch.empty(R, dtype=torch.int64, device=device))

@@ -18,7 +18,8 @@ from typing import Callable, List, Optional
 import torch
 
 from pflcore.backends import _values
-from pflcore.backends.base import Adapter
+from pflcore.backends.base import Adapter, evaluation_outputs
+from pflcore.backends.reference import ReferenceAdapter
 from pflcore.errors import CudaKernelError
 
 
@@ -188,15 +189,11 @@ class CudaAdapter(Adapter):
 
     def evaluate(self, model, theta, data, rows, batches=None, trusted=False):
         if batches is not None:  # the kernel evaluates whole clients: a sample of rows goes to torch
-            from pflcore.backends.reference import ReferenceAdapter
-
             return ReferenceAdapter().evaluate(model, theta, data, rows, batches, trusted)
         _values.glm_fault(model, theta, data, rows)
         theta = _values.one_per_row(theta, data, rows)
-        R, dev = theta.shape[0], theta.device
-        loss = torch.empty(R, dtype=theta.dtype, device=dev)
-        correct = torch.empty(R, dtype=torch.int64, device=dev)
-        count = torch.empty(R, dtype=torch.int64, device=dev)
+        dev = theta.device
+        loss, correct, count = evaluation_outputs(theta.shape[0], theta.dtype, dev)
         with torch.cuda.device(dev):
             launch("evaluate", self.module.evaluate, *glm_args(model, theta, data, rows),
                    ptr(loss, "loss", dev, theta.dtype), ptr(correct, "correct", dev, torch.int64),

@@ -5,20 +5,45 @@ the same ``Federation`` bit for bit. Labels are computed from the features and m
 rounding them to ``dtype``, so the stored ``truth`` is exactly consistent with the stored data.
 Each client's rows are i.i.d.; its first ``round(n_k·(1 − test_fraction))`` rows (at least one,
 and at least one fewer than n_k) are its training rows, the rest its test rows.
+
+Memory: the outputs (features, labels, truth) are allocated once in the output dtype and
+filled a block of clients at a time, so a float64 temporary never holds more than about
+``_BLOCK`` values (8 MB) whatever the number of clients; peak memory is the federation's
+bytes plus the per-client float64 parameters a generator needs until its last row (e.g.
+synthetic's feature means, m·dim values). The random numbers are drawn in the same order and
+with the same calls as when everything was drawn at once (numpy's Generator streams do not
+depend on how a draw is cut into pieces), and every label is computed by the same operation on
+the same operands, so the outputs are the same bits as before the blocking
+(tests/test_data_memory.py holds digests of the earlier outputs).
 """
 from __future__ import annotations
 
 import math
-from typing import Optional
+import os
+from typing import Iterator, Optional, Tuple
 
 import numpy as np
 import torch
 
 from pflcore.client_data import ClientData
 from pflcore.data.federation import Federation
-from pflcore._checks import check_positive_int, check_real
+from pflcore._checks import MAX_COUNT, check_positive_int, check_real
+from pflcore.errors import NonFiniteError
 
 _NP_DTYPE = {torch.float32: np.float32, torch.float64: np.float64}
+
+# Values per float64 temporary (a block of clients' rows or parameters): 1M values = 8 MB.
+# Tests lower it to cut small federations into many blocks.
+_BLOCK = 1 << 20
+
+_TORCH_DTYPE = {np.float32: torch.float32, np.float64: torch.float64, np.int64: torch.int64}
+
+
+def _output(shape, npd) -> np.ndarray:
+    """An uninitialized output array, allocated by torch (the tensor the federation keeps).
+    Not ``np.empty``: numpy asks for transparent huge pages on large arrays, and on the VMs
+    measured here (THP defrag=madvise) first touching 2 GB took 5.7 s that way against 1.1 s."""
+    return torch.empty(shape, dtype=_TORCH_DTYPE[npd]).numpy()
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -36,37 +61,136 @@ def _check_fraction(test_fraction) -> float:
     return f
 
 
-def _rounded(a: np.ndarray, npd) -> np.ndarray:
-    """``a`` rounded to the output precision, kept in float64 to compute labels from."""
-    return a.astype(npd).astype(np.float64)
-
-
 def _diag_cov(dim: int) -> np.ndarray:
     """Σ = diag(j^{-1.2}), j = 1..dim (Li et al.)."""
     return np.arange(1, dim + 1, dtype=np.float64) ** -1.2
 
 
-def _federation(x: np.ndarray, y: np.ndarray, sizes: np.ndarray, test_fraction: float, *, dtype,
-                num_classes: int, truth: np.ndarray, truth_global: Optional[np.ndarray], name: str,
-                meta: dict) -> Federation:
-    """Split each client's consecutive rows of (x, y) into train and test, wrap as a Federation."""
-    sizes = np.asarray(sizes, dtype=np.int64)
-    n_train = np.clip(np.round(sizes * (1.0 - test_fraction)).astype(np.int64), 1, sizes - 1)
-    # Position of every row inside its client, to mark the first n_train rows of each client.
-    pos = np.arange(sizes.sum()) - np.repeat(np.cumsum(sizes) - sizes, sizes)
-    train = pos < np.repeat(n_train, sizes)
+def _check_memory(nbytes: int, names: str) -> None:
+    """A federation that cannot fit in this machine's memory is refused before anything is
+    allocated (instead of an allocation failure, or the system killing the process midway)."""
+    try:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):  # not POSIX: no check
+        return
+    if nbytes > total:
+        raise ValueError(f"{names}: the federation would take {nbytes / 1e9:.3g} GB, more than this machine's "
+                         f"{total / 1e9:.3g} GB of memory")
 
-    def client_data(mask, counts):
-        offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(counts)]).astype(np.int64))
-        return ClientData(torch.from_numpy(np.ascontiguousarray(x[mask])).to(dtype),
-                          torch.from_numpy(np.ascontiguousarray(y[mask])), offsets)
 
-    def tensor(a):
-        return None if a is None else torch.from_numpy(np.ascontiguousarray(a)).to(dtype)
+def _federation_bytes(rows: int, m: int, dim: int, truth_d: int, npd, y_bytes: int = 8) -> int:
+    """Bytes of the outputs (x, y, truth, offsets) plus the per-client float64 feature means."""
+    item = np.dtype(npd).itemsize
+    return rows * (dim * item + y_bytes) + m * (truth_d * item + 16 + dim * 8)
 
-    meta = dict(meta, dtype=str(dtype).replace("torch.", ""))
-    return Federation(client_data(train, n_train), client_data(~train, sizes - n_train), num_classes,
-                      truth=tensor(truth), truth_global=tensor(truth_global), name=name, meta=meta)
+
+def _blocks(count: int, width: int) -> Iterator[Tuple[int, int]]:
+    """Ranges [lo, hi) cutting ``count`` items of ``width`` values into blocks of at most
+    ``_BLOCK`` values (at least one item each)."""
+    step = max(1, _BLOCK // max(1, width))
+    for lo in range(0, count, step):
+        yield lo, min(count, lo + step)
+
+
+def _fill_rows(out: np.ndarray, width: int, draw) -> None:
+    """``out[lo:hi] = draw(lo, hi)`` block by block (``draw`` returns float64; the assignment
+    rounds to ``out``'s dtype as ``astype`` would)."""
+    for lo, hi in _blocks(out.shape[0], width):
+        out[lo:hi] = draw(lo, hi)
+
+
+def _argmax_labels(x: np.ndarray, Wb: np.ndarray, sizes: np.ndarray, dim: int, C: int) -> np.ndarray:
+    """y = argmax(x W_k + b_k) row by row for the clients of a block: ``x [Σ sizes, dim]`` their
+    rows, ``Wb [k, (dim+1)·C]`` their [W_k; b_k] (float64). One matrix product per client, the
+    same call with the same operands as when all rows were generated at once."""
+    if np.all(sizes == sizes[0]):
+        # One stacked matmul: numpy runs the same BLAS call per client (same shapes and strides)
+        # without a Python iteration each (1M clients: seconds).
+        k, n = sizes.size, int(sizes[0])
+        W = Wb.reshape(k, dim + 1, C)
+        return np.argmax(np.matmul(x.reshape(k, n, dim), W[:, :dim]) + W[:, dim:], axis=2).reshape(-1)
+    y = np.empty(x.shape[0], np.int64)
+    lo = 0
+    for k, n in enumerate(sizes.tolist()):
+        W = Wb[k].reshape(dim + 1, C)
+        y[lo:lo + n] = np.argmax(x[lo:lo + n] @ W[:dim] + W[dim], axis=1)
+        lo += n
+    return y
+
+
+class _Rows:
+    """The rows of m clients, generated client block by client block and written straight into
+    the train and test arrays: client k's first ``n_train[k]`` rows go to train, the rest to
+    test, as if all rows had been generated at once and split afterwards."""
+
+    def __init__(self, sizes: np.ndarray, test_fraction: float, dim: int, npd, y_dtype):
+        self.sizes = np.asarray(sizes, dtype=np.int64)
+        self.n_train = np.clip(np.round(self.sizes * (1.0 - test_fraction)).astype(np.int64), 1, self.sizes - 1)
+        self.start = np.concatenate([[0], np.cumsum(self.sizes)])  # row offsets of all rows
+        self.train_off = np.concatenate([[0], np.cumsum(self.n_train)])
+        self.test_off = self.start - self.train_off
+        n_tr, n_te = int(self.train_off[-1]), int(self.test_off[-1])
+        self.x = (_output((n_tr, dim), npd), _output((n_te, dim), npd))
+        self.y = (_output(n_tr, y_dtype), _output(n_te, y_dtype))
+        self.dim = dim
+
+    def blocks(self) -> Iterator[Tuple[int, int, int, int]]:
+        """(k0, k1, r0, r1): clients k0..k1-1 own rows r0..r1-1; about ``_BLOCK`` values of x
+        per block, a client never cut."""
+        m, rows = self.sizes.size, max(1, _BLOCK // self.dim)
+        k0 = 0
+        while k0 < m:
+            k1 = int(np.searchsorted(self.start, self.start[k0] + rows, side="right")) - 1
+            k1 = min(m, max(k1, k0 + 1))
+            yield k0, k1, int(self.start[k0]), int(self.start[k1])
+            k0 = k1
+
+    def put(self, k0: int, k1: int, block: np.ndarray, out: Tuple[np.ndarray, np.ndarray]) -> None:
+        """Write the rows of clients k0..k1-1 (``block``, in generation order) to ``out``
+        (train, test)."""
+        sizes = self.sizes[k0:k1]
+        if np.all(sizes == sizes[0]):  # equal sizes: a reshape instead of a mask
+            by_client = block.reshape(k1 - k0, int(sizes[0]), *block.shape[1:])
+            cut = int(self.n_train[k0])
+            if np.all(self.n_train[k0:k1] == cut):
+                out[0][self.train_off[k0]:self.train_off[k1]] = by_client[:, :cut].reshape(-1, *block.shape[1:])
+                out[1][self.test_off[k0]:self.test_off[k1]] = by_client[:, cut:].reshape(-1, *block.shape[1:])
+                return
+        pos = np.arange(block.shape[0]) - np.repeat(self.start[k0:k1] - self.start[k0], sizes)
+        train = pos < np.repeat(self.n_train[k0:k1], sizes)
+        out[0][self.train_off[k0]:self.train_off[k1]] = block[train]
+        out[1][self.test_off[k0]:self.test_off[k1]] = block[~train]
+
+    def features(self, k0: int, k1: int, mean: Optional[np.ndarray], noise: np.ndarray, npd,
+                 scale: Optional[np.ndarray] = None) -> np.ndarray:
+        """x = mean_k + noise·scale for the rows of clients k0..k1-1 (``mean`` [k1 - k0, dim],
+        ``scale`` [dim]; None for 0 and 1), rounded to ``npd`` and stored; returns the rounded
+        rows as float64 (what the labels are computed from). ``noise`` (float64) is overwritten."""
+        if scale is not None:
+            noise *= scale
+        if mean is not None:
+            noise += np.repeat(mean, self.sizes[k0:k1], axis=0)  # a + b == b + a exactly
+        x = noise.astype(npd)
+        self.put(k0, k1, x, self.x)
+        return x.astype(np.float64, copy=False)
+
+    def federation(self, dtype, num_classes: int, truth: np.ndarray, truth_global: Optional[np.ndarray],
+                   name: str, meta: dict, scales: str) -> Federation:
+        """The Federation of the filled arrays; ``scales`` names the arguments whose size can
+        make values overflow ``dtype`` (the error names them, not the internal arrays)."""
+        def client_data(x, y, off):
+            return ClientData(torch.from_numpy(x), torch.from_numpy(y), torch.from_numpy(off.astype(np.int64)))
+
+        meta = dict(meta, dtype=str(dtype).replace("torch.", ""))
+        try:
+            return Federation(client_data(self.x[0], self.y[0], self.train_off),
+                              client_data(self.x[1], self.y[1], self.test_off), num_classes,
+                              truth=torch.from_numpy(truth),
+                              truth_global=None if truth_global is None else torch.from_numpy(truth_global),
+                              name=name, meta=meta)
+        except NonFiniteError as exc:
+            raise NonFiniteError(f"{scales}: too large for {str(dtype).replace('torch.', '')}: the generated data "
+                                 f"overflows ({exc})") from None
 
 
 # ----------------------------------------------------------------------------- generators
@@ -97,44 +221,53 @@ def synthetic(alpha: float, beta: float, num_clients: int = 100, dim: int = 60, 
     """
     alpha = check_real(alpha, "alpha", minimum=0.0)
     beta = check_real(beta, "beta", minimum=0.0)
-    m = check_positive_int(num_clients, "num_clients")
-    dim = check_positive_int(dim, "dim")
-    C = check_positive_int(num_classes, "num_classes", minimum=2)
+    m = check_positive_int(num_clients, "num_clients", maximum=MAX_COUNT)
+    dim = check_positive_int(dim, "dim", maximum=MAX_COUNT)
+    C = check_positive_int(num_classes, "num_classes", minimum=2, maximum=MAX_COUNT)
     seed = check_positive_int(seed, "seed", minimum=0)
-    size_scale = check_positive_int(size_scale, "size_scale")
+    size_scale = check_positive_int(size_scale, "size_scale", maximum=MAX_COUNT)
     if max_size is not None:
-        max_size = check_positive_int(max_size, "max_size", minimum=2)
+        max_size = check_positive_int(max_size, "max_size", minimum=2, maximum=MAX_COUNT)
     test_fraction = _check_fraction(test_fraction)
     npd = _check_dtype(dtype)
+    names = "num_clients, dim, num_classes, size_scale, max_size"
+    least = 50 * size_scale if max_size is None else min(50 * size_scale, max_size)  # rows per client, at least
+    _check_memory(_federation_bytes(m * least, m, dim, (dim + 1) * C, npd), names)
 
     rng = np.random.default_rng(seed)
     sizes = (rng.lognormal(4, 2, m).astype(np.int64) + 50) * size_scale
     if max_size is not None:
         sizes = np.minimum(sizes, max_size)
+    _check_memory(_federation_bytes(int(sizes.sum()), m, dim, (dim + 1) * C, npd), names)
     u = rng.normal(0.0, alpha, m)
     B = rng.normal(0.0, beta, m)
-    v = rng.normal(B[:, None], 1.0, (m, dim))
+    D = dim * C
+    truth = _output((m, D + C), npd)  # [W_k; b_k] rounded to dtype
     if iid:
-        W = np.broadcast_to(rng.normal(0.0, 1.0, (dim, C)), (m, dim, C))
-        b = np.broadcast_to(rng.normal(0.0, 1.0, C), (m, C))
-        v = np.zeros((m, dim))
+        for lo, hi in _blocks(m, dim):  # the v_k are drawn (the stream stays the same), then v = 0
+            rng.normal(B[lo:hi, None], 1.0, (hi - lo, dim))
+        v = None
+        truth[:, :D] = rng.normal(0.0, 1.0, (dim, C)).reshape(D)
+        truth[:, D:] = rng.normal(0.0, 1.0, C)
     else:
-        W = rng.normal(u[:, None, None], 1.0, (m, dim, C))
-        b = rng.normal(u[:, None], 1.0, (m, C))
-    x = _rounded(np.repeat(v, sizes, axis=0) + rng.standard_normal((sizes.sum(), dim)) * np.sqrt(_diag_cov(dim)), npd)
-    truth = _rounded(np.concatenate([W, b[:, None, :]], axis=1).reshape(m, (dim + 1) * C), npd)
+        v = rng.normal(B[:, None], 1.0, (m, dim))
+        _fill_rows(truth[:, :D], D, lambda lo, hi: rng.normal(u[lo:hi, None, None], 1.0, (hi - lo, dim, C))
+                   .reshape(hi - lo, D))
+        _fill_rows(truth[:, D:], C, lambda lo, hi: rng.normal(u[lo:hi, None], 1.0, (hi - lo, C)))
 
-    y = np.empty(sizes.sum(), dtype=np.int64)
-    for k, (lo, hi) in enumerate(zip(np.cumsum(sizes) - sizes, np.cumsum(sizes))):
-        Wb = truth[k].reshape(dim + 1, C)
-        y[lo:hi] = np.argmax(x[lo:hi] @ Wb[:dim] + Wb[dim], axis=1)
+    rows = _Rows(sizes, test_fraction, dim, npd, np.int64)
+    scale = np.sqrt(_diag_cov(dim))
+    for k0, k1, r0, r1 in rows.blocks():
+        mean = np.zeros((k1 - k0, dim)) if v is None else v[k0:k1]
+        x = rows.features(k0, k1, mean, rng.standard_normal((r1 - r0, dim)), npd, scale)
+        y = _argmax_labels(x, truth[k0:k1].astype(np.float64), sizes[k0:k1], dim, C)
+        rows.put(k0, k1, y, rows.y)
 
     meta = dict(generator="synthetic", alpha=alpha, beta=beta, num_clients=m, dim=dim, num_classes=C, seed=seed,
                 size_scale=size_scale, iid=bool(iid), test_fraction=test_fraction, max_size=max_size,
                 model=f"Softmax(p={dim}, C={C}, fit_intercept=True)")
     name = f"synthetic(alpha={alpha:g}, beta={beta:g}{', iid' if iid else ''})"
-    return _federation(x, y, sizes, test_fraction, dtype=dtype, num_classes=C, truth=truth,
-                       truth_global=truth[0] if iid else None, name=name, meta=meta)
+    return rows.federation(dtype, C, truth, truth[0].copy() if iid else None, name, meta, "alpha, beta")
 
 
 def logistic_truth(num_clients: int = 10, samples_per_client: int = 2000, dim: int = 20, R: float = 1.0,
@@ -156,34 +289,44 @@ def logistic_truth(num_clients: int = 10, samples_per_client: int = 2000, dim: i
     The global minimizer has no closed form, so ``truth_global`` is the mean of the client
     models (the paper's w_g = Σ p_k w_k with the equal p_k here).
     """
-    m = check_positive_int(num_clients, "num_clients")
-    n = check_positive_int(samples_per_client, "samples_per_client", minimum=2)
-    dim = check_positive_int(dim, "dim")
+    m = check_positive_int(num_clients, "num_clients", maximum=MAX_COUNT)
+    n = check_positive_int(samples_per_client, "samples_per_client", minimum=2, maximum=MAX_COUNT)
+    dim = check_positive_int(dim, "dim", maximum=MAX_COUNT)
     R = check_real(R, "R", minimum=0.0)
     seed = check_positive_int(seed, "seed", minimum=0)
     if labels not in ("sample", "argmax"):
         raise ValueError(f"labels: expected 'sample' or 'argmax', got {labels!r}")
     test_fraction = _check_fraction(test_fraction)
     npd = _check_dtype(dtype)
+    _check_memory(_federation_bytes(m * n, m, dim, 2 * dim, npd, 16), "num_clients, samples_per_client, dim")
 
     rng = np.random.default_rng(seed)
-    w = _rounded(rng.normal(0.0, math.sqrt(R), (m, dim)), npd)
+    truth = rng.normal(0.0, math.sqrt(R), (m, dim)).astype(npd)
+    w = truth.astype(np.float64)
     v = rng.normal(0.0, 1.0, (m, dim))
-    x = _rounded(np.repeat(v, n, axis=0) + rng.standard_normal((m * n, dim)) * np.sqrt(_diag_cov(dim)), npd)
-    z = np.einsum("knp,kp->kn", x.reshape(m, n, dim), w).reshape(-1)
-    if labels == "sample":
-        # σ(z) = exp(−log(1 + e^{−z})), without overflow for large |z|.
-        y = (rng.random(m * n) < np.exp(-np.logaddexp(0.0, -z))).astype(np.int64)
-    else:
-        y = (z > 0).astype(np.int64)
+    rows = _Rows(np.full(m, n), test_fraction, dim, npd, np.int64)
+    scale = np.sqrt(_diag_cov(dim))
+    z = np.empty(m * n) if labels == "sample" else None  # x_iᵀw_k, until all features are drawn
+    for k0, k1, r0, r1 in rows.blocks():
+        x = rows.features(k0, k1, v[k0:k1], rng.standard_normal((r1 - r0, dim)), npd, scale)
+        zb = np.einsum("knp,kp->kn", x.reshape(k1 - k0, n, dim), w[k0:k1]).reshape(-1)
+        if z is None:
+            rows.put(k0, k1, (zb > 0).astype(np.int64), rows.y)
+        else:
+            z[r0:r1] = zb
+    if z is not None:  # the Bernoulli draws come after all the features' draws
+        for k0, k1, r0, r1 in rows.blocks():
+            # σ(z) = exp(−log(1 + e^{−z})), without overflow for large |z|.
+            p = np.exp(-np.logaddexp(0.0, -z[r0:r1]))
+            rows.put(k0, k1, (rng.random(r1 - r0) < p).astype(np.int64), rows.y)
     w_bar = w.mean(axis=0)
 
     meta = dict(generator="logistic_truth", num_clients=m, samples_per_client=n, dim=dim, R=R, seed=seed,
                 labels=labels, test_fraction=test_fraction, model=f"Logistic(p={dim}, fit_intercept=False)",
                 truth_global="mean of client models",
                 heterogeneity=float(((w - w_bar) ** 2).sum(axis=1).mean()))
-    return _federation(x, y, np.full(m, n), test_fraction, dtype=dtype, num_classes=2, truth=w,
-                       truth_global=w_bar, name=f"logistic_truth(R={R:g}, labels={labels})", meta=meta)
+    return rows.federation(dtype, 2, truth, w_bar.astype(npd), f"logistic_truth(R={R:g}, labels={labels})", meta,
+                           "R")
 
 
 def least_squares(num_clients: int = 25, samples_per_client: int = 5000, dim: int = 100,
@@ -198,28 +341,34 @@ def least_squares(num_clients: int = 25, samples_per_client: int = 5000, dim: in
     targets b (dtype of x); ``num_classes = 0``. ``truth [m, dim]`` = w*_i, the layout of
     ``LeastSquares(dim, fit_intercept=False)``; ``truth_global`` = w*.
     """
-    m = check_positive_int(num_clients, "num_clients")
-    n = check_positive_int(samples_per_client, "samples_per_client", minimum=2)
-    dim = check_positive_int(dim, "dim")
+    m = check_positive_int(num_clients, "num_clients", maximum=MAX_COUNT)
+    n = check_positive_int(samples_per_client, "samples_per_client", minimum=2, maximum=MAX_COUNT)
+    dim = check_positive_int(dim, "dim", maximum=MAX_COUNT)
     noise_var = check_real(noise_var, "noise_var", minimum=0.0)
     shift = check_real(shift, "shift", minimum=0.0)
     seed = check_positive_int(seed, "seed", minimum=0)
     test_fraction = _check_fraction(test_fraction)
     npd = _check_dtype(dtype)
+    _check_memory(_federation_bytes(m * n, m, dim, 2 * dim, npd, 16), "num_clients, samples_per_client, dim")
 
     rng = np.random.default_rng(seed)
-    w_star = _rounded(rng.normal(0.0, 1.0, dim), npd)
-    w = _rounded(w_star + shift * rng.normal(0.0, 1.0, (m, dim)), npd)
-    A = _rounded(rng.normal(0.0, 1.0, (m * n, dim)), npd)
-    b = np.einsum("knp,kp->kn", A.reshape(m, n, dim), w).reshape(-1)
-    b = (b + rng.normal(0.0, math.sqrt(noise_var), m * n)).astype(npd)
+    w_star = rng.normal(0.0, 1.0, dim).astype(npd)
+    truth = (w_star.astype(np.float64) + shift * rng.normal(0.0, 1.0, (m, dim))).astype(npd)
+    w = truth.astype(np.float64)
+    rows = _Rows(np.full(m, n), test_fraction, dim, npd, npd)
+    b = np.empty(m * n)  # a_iᵀw*_k, until all rows are drawn
+    for k0, k1, r0, r1 in rows.blocks():
+        A = rows.features(k0, k1, None, rng.normal(0.0, 1.0, (r1 - r0, dim)), npd)
+        b[r0:r1] = np.einsum("knp,kp->kn", A.reshape(k1 - k0, n, dim), w[k0:k1]).reshape(-1)
+    sd = math.sqrt(noise_var)
+    for k0, k1, r0, r1 in rows.blocks():  # the noise draws come after all the rows' draws
+        rows.put(k0, k1, (b[r0:r1] + rng.normal(0.0, sd, r1 - r0)).astype(npd), rows.y)
 
     meta = dict(generator="least_squares", num_clients=m, samples_per_client=n, dim=dim, noise_var=noise_var,
                 shift=shift, seed=seed, test_fraction=test_fraction,
                 model=f"LeastSquares(p={dim}, fit_intercept=False)")
-    return _federation(A, b, np.full(m, n), test_fraction, dtype=dtype, num_classes=0, truth=w,
-                       truth_global=w_star, name=f"least_squares(shift={shift:g}, noise_var={noise_var:g})",
-                       meta=meta)
+    return rows.federation(dtype, 0, truth, w_star, f"least_squares(shift={shift:g}, noise_var={noise_var:g})",
+                           meta, "shift, noise_var")
 
 
 def two_groups(num_clients: int = 50, samples_per_client: int = 100, dim: int = 60, mu: float = 1.0,
@@ -240,28 +389,31 @@ def two_groups(num_clients: int = 50, samples_per_client: int = 100, dim: int = 
     minimizer), the layout of ``Logistic(dim, fit_intercept=False)``; ``truth_global`` = None.
     ``meta["groups"]``: the group (0/1) of every client.
     """
-    m = check_positive_int(num_clients, "num_clients")
-    n = check_positive_int(samples_per_client, "samples_per_client", minimum=2)
-    dim = check_positive_int(dim, "dim")
+    m = check_positive_int(num_clients, "num_clients", maximum=MAX_COUNT)
+    n = check_positive_int(samples_per_client, "samples_per_client", minimum=2, maximum=MAX_COUNT)
+    dim = check_positive_int(dim, "dim", maximum=MAX_COUNT)
     mu = check_real(mu, "mu")
     seed = check_positive_int(seed, "seed", minimum=0)
     test_fraction = _check_fraction(test_fraction)
     npd = _check_dtype(dtype)
+    _check_memory(_federation_bytes(m * n, m, dim, dim, npd), "num_clients, samples_per_client, dim")
 
     rng = np.random.default_rng(seed)
     g = rng.normal(0.0, 1.0, dim)
     w = g / np.linalg.norm(g)
     groups = (np.arange(m) >= m // 2).astype(np.int64)
     sign = 1.0 - 2.0 * groups  # +1 for group 0, −1 for group 1
-    truth = _rounded(sign[:, None] * w, npd)
-    x = _rounded(np.repeat(sign[:, None] * mu * w, n, axis=0) + rng.standard_normal((m * n, dim)), npd)
-    y = (np.einsum("knp,kp->kn", x.reshape(m, n, dim), truth).reshape(-1) >= 0).astype(np.int64)
+    truth = (sign[:, None] * w).astype(npd)
+    rows = _Rows(np.full(m, n), test_fraction, dim, npd, np.int64)
+    for k0, k1, r0, r1 in rows.blocks():
+        x = rows.features(k0, k1, sign[k0:k1, None] * mu * w, rng.standard_normal((r1 - r0, dim)), npd)
+        z = np.einsum("knp,kp->kn", x.reshape(k1 - k0, n, dim), truth[k0:k1].astype(np.float64)).reshape(-1)
+        rows.put(k0, k1, (z >= 0).astype(np.int64), rows.y)
 
     meta = dict(generator="two_groups", num_clients=m, samples_per_client=n, dim=dim, mu=mu, seed=seed,
                 test_fraction=test_fraction, model=f"Logistic(p={dim}, fit_intercept=False)",
                 groups=groups.tolist())
-    return _federation(x, y, np.full(m, n), test_fraction, dtype=dtype, num_classes=2, truth=truth,
-                       truth_global=None, name=f"two_groups(mu={mu:g})", meta=meta)
+    return rows.federation(dtype, 2, truth, None, f"two_groups(mu={mu:g})", meta, "mu")
 
 
 def contexts(num_clients: int = 40, num_contexts: int = 4, dim: int = 60, num_classes: int = 10,
@@ -285,40 +437,48 @@ def contexts(num_clients: int = 40, num_contexts: int = 4, dim: int = 60, num_cl
     ``truth [m, (dim+1)·C]``: [W_k; b_k] in the layout of ``Softmax(dim, C, fit_intercept=True)``;
     ``truth_global`` = None; ``meta["contexts"]``: the context of every client.
     """
-    m = check_positive_int(num_clients, "num_clients")
-    K = check_positive_int(num_contexts, "num_contexts")
+    m = check_positive_int(num_clients, "num_clients", maximum=MAX_COUNT)
+    K = check_positive_int(num_contexts, "num_contexts", maximum=MAX_COUNT)
     if K > m:
         raise ValueError(f"num_contexts: expected at most num_clients = {m} contexts, got {K}")
-    dim = check_positive_int(dim, "dim")
-    C = check_positive_int(num_classes, "num_classes", minimum=2)
+    dim = check_positive_int(dim, "dim", maximum=MAX_COUNT)
+    C = check_positive_int(num_classes, "num_classes", minimum=2, maximum=MAX_COUNT)
     client_noise = check_real(client_noise, "client_noise", minimum=0.0)
     beta = check_real(beta, "beta", minimum=0.0)
     if (not isinstance(sizes, (tuple, list)) or len(sizes) != 2
             or not all(isinstance(s, (int, np.integer)) and not isinstance(s, bool) for s in sizes)
-            or not 2 <= sizes[0] <= sizes[1]):
-        raise ValueError(f"sizes: expected (low, high) integers with 2 <= low <= high, got {sizes!r}")
+            or not 2 <= sizes[0] <= sizes[1] <= MAX_COUNT):
+        raise ValueError(f"sizes: expected (low, high) integers with 2 <= low <= high <= {MAX_COUNT}, got {sizes!r}")
     seed = check_positive_int(seed, "seed", minimum=0)
     test_fraction = _check_fraction(test_fraction)
     npd = _check_dtype(dtype)
+    feature_spread = check_real(feature_spread, "feature_spread", minimum=0.0)
+    names = "num_clients, dim, num_classes, sizes"
+    _check_memory(_federation_bytes(m * int(sizes[0]), m, dim, (dim + 1) * C, npd), names)
 
     rng = np.random.default_rng(seed)
     context = rng.permutation(np.arange(m) % K)
     W_c = rng.normal(0.0, 1.0, (K, dim + 1, C))  # [W_c; b_c]
-    feature_spread = check_real(feature_spread, "feature_spread", minimum=0.0)
     v_c = rng.normal(0.0, 1.0, (K, dim)) * feature_spread + rng.normal(0.0, beta, K)[:, None]
-    Wb = W_c[context] + client_noise * rng.normal(0.0, 1.0, (m, dim + 1, C))
-    v = v_c[context] + client_noise * rng.normal(0.0, 1.0, (m, dim))
-    truth = _rounded(Wb.reshape(m, (dim + 1) * C), npd)
+    P = (dim + 1) * C
+    truth = _output((m, P), npd)  # [W_k; b_k] rounded to dtype
+    _fill_rows(truth, P, lambda lo, hi: (W_c[context[lo:hi]] + client_noise
+                                         * rng.normal(0.0, 1.0, (hi - lo, dim + 1, C))).reshape(hi - lo, P))
+    v = np.empty((m, dim))
+    _fill_rows(v, dim, lambda lo, hi: v_c[context[lo:hi]] + client_noise * rng.normal(0.0, 1.0, (hi - lo, dim)))
     n = rng.integers(int(sizes[0]), int(sizes[1]) + 1, m)
-    x = _rounded(np.repeat(v, n, axis=0) + rng.standard_normal((n.sum(), dim)) * np.sqrt(_diag_cov(dim)), npd)
-    y = np.empty(n.sum(), dtype=np.int64)
-    for k, (lo, hi) in enumerate(zip(np.cumsum(n) - n, np.cumsum(n))):
-        Wk = truth[k].reshape(dim + 1, C)
-        y[lo:hi] = np.argmax(x[lo:hi] @ Wk[:dim] + Wk[dim], axis=1)
+    _check_memory(_federation_bytes(int(n.sum()), m, dim, (dim + 1) * C, npd), names)
+
+    rows = _Rows(n, test_fraction, dim, npd, np.int64)
+    scale = np.sqrt(_diag_cov(dim))
+    for k0, k1, r0, r1 in rows.blocks():
+        x = rows.features(k0, k1, v[k0:k1], rng.standard_normal((r1 - r0, dim)), npd, scale)
+        rows.put(k0, k1, _argmax_labels(x, truth[k0:k1].astype(np.float64), n[k0:k1], dim, C), rows.y)
 
     meta = dict(generator="contexts", num_clients=m, num_contexts=K, dim=dim, num_classes=C,
-                client_noise=client_noise, beta=beta, feature_spread=feature_spread, sizes=[int(sizes[0]), int(sizes[1])], seed=seed,
+                client_noise=client_noise, beta=beta, feature_spread=feature_spread,
+                sizes=[int(sizes[0]), int(sizes[1])], seed=seed,
                 test_fraction=test_fraction, model=f"Softmax(p={dim}, C={C}, fit_intercept=True)",
                 contexts=context.tolist())
-    return _federation(x, y, n, test_fraction, dtype=dtype, num_classes=C, truth=truth, truth_global=None,
-                       name=f"contexts(K={K}, client_noise={client_noise:g})", meta=meta)
+    return rows.federation(dtype, C, truth, None, f"contexts(K={K}, client_noise={client_noise:g})", meta,
+                           "client_noise, beta, feature_spread")
