@@ -25,8 +25,9 @@ num_clients=100)`` (seed 0) with ``Softmax(60, 10)``, 10 clients sampled per rou
   (round + evaluation + the loop's own work).
 
 ``accuracy``: ``experiments/pfedme_table1_synthetic_mlr.toml`` run again (its seeds, 600
-rounds, its step sizes; at one thread: the results do not depend on it) and the final accuracies compared with the committed summaries in
-``experiments/results/`` (mean ± population std over the seeds): unchanged within noise when
+rounds, its step sizes; at one thread: the results do not depend on it) and the final
+accuracies compared with the committed summaries in ``experiments/results/`` (mean ± population
+std over the seeds): unchanged within noise when
 |Δ mean| <= the committed std over seeds / sqrt(seeds) (the standard error of its mean).
 
 ``pfedme_round`` / ``pfedme_round_mlp``: one pFedMe round on m = 1,000 clients of
@@ -45,7 +46,8 @@ adapter's math (MLP), in the value pre-pass of the torch adapters (``_values.glm
 ``mlp_step``: the batched MLP step (``pflcore/backends/nets.py``, hand-written path) in GFLOP/s
 against a 2048² float32 matmul timed in the same process at the same thread count. MLP(60, 100,
 10) on 1,000 clients, B = 20; FLOPs per client-step = 2 x the multiply-adds of the forward (x W1ᵀ,
-h W2ᵀ) and backward (dW2, dh, dW1; no dx) passes = 600 kFLOP. Workloads: FedAvg's local training
+h W2ᵀ) and backward (dW2, dh, dW1; no dx) passes = 600 kFLOP (what ``torch.utils.flop_counter``
+counts for the ``nn.Module``, recorded beside it). Workloads: FedAvg's local training
 (20 plain SGD steps per call), 5 plain steps, and pFedMe's call (5 steps on one minibatch, prox
 toward per-row anchors). The adapter's math (``nets.local_steps``, the ≥ 25% target) and the
 public ``ops.local_steps`` (with its value pre-pass) are both reported. Agreement with
@@ -525,6 +527,17 @@ def mlp_step_flops(model: MLP, B: int) -> int:
     return 2 * B * (fwd + bwd)
 
 
+def torch_flop_count(model, B: int) -> int:
+    """FLOPs torch's own counter (``torch.utils.flop_counter``) sees in one forward and backward
+    pass of the model's ``nn.Module`` on B rows: the cross-check of the counts above."""
+    from torch.utils.flop_counter import FlopCounterMode
+    net = model.module()
+    x, y = torch.randn(B, model.p), torch.randint(0, model.C, (B,))
+    with FlopCounterMode(display=False) as counter:
+        F.cross_entropy(net(model.input_view(x)), y).backward()
+    return counter.get_total_flops()
+
+
 def matmul_gflops(repeats: int, n: int = 2048) -> float:
     a, b = torch.randn(n, n), torch.randn(n, n)
     return 2 * n ** 3 / best_of(lambda: a @ b, repeats, warmup=1) / 1e9
@@ -547,7 +560,7 @@ def bench_mlp_step(args, m) -> dict:
     }
     flops = mlp_step_flops(model, B)
     out = {"m": m, "model": repr(model), "d": model.d, "batch_size": B, "flops_per_client_step": flops,
-           "workloads": {}}
+           "flops_torch_counter": torch_flop_count(model, B), "workloads": {}}
     sub = torch.arange(min(m, 20))
     for name, (steps, b, prox, a, lr) in workloads.items():
         kw = dict(steps=steps, lr=lr, prox=prox, anchor=None if a is None else a[sub], batches=b[sub], rows=sub)
@@ -650,7 +663,8 @@ def bench_cnn(args) -> dict:
     print(f"[cnn] agreement on {m} clients: max|Δ| = {diff:.2e} (tolerance 1e-4; the steps moved θ by {moved:.2e})")
     ms = min(m, args.slow_clients or m)
     out = {"m": m, "model": repr(model), "d": model.d, "data": "synthetic(0.5, 0.5, dim=784, max_size=200): 28x28",
-           "batch_size": B, "steps": steps, "lr": lr, "flops_per_client_step": flops, "agreement_max_abs_diff": diff,
+           "batch_size": B, "steps": steps, "lr": lr, "flops_per_client_step": flops,
+           "flops_torch_counter": torch_flop_count(model, B), "agreement_max_abs_diff": diff,
            "max_abs_update": moved, "tolerance": 1e-4, "loop_clients": ms, "by_threads": {}}
     reps = max(1, min(args.repeats, 3))
     for th in thread_counts():
@@ -761,7 +775,8 @@ def main():
     t0 = time.perf_counter()
     results = {part: entry for part, entry in read_json(args.out).items() if part in PARTS}
     run_fn = {"rounds": lambda: bench_rounds(args), "accuracy": lambda: bench_accuracy(args),
-              "pfedme_round": lambda: bench_pfedme_round(args, m), "pfedme_round_mlp": lambda: bench_pfedme_round_mlp(args, m),
+              "pfedme_round": lambda: bench_pfedme_round(args, m),
+              "pfedme_round_mlp": lambda: bench_pfedme_round_mlp(args, m),
               "mlp_step": lambda: bench_mlp_step(args, m), "cnn": lambda: bench_cnn(args),
               "anderson_share": lambda: bench_anderson_share(args, m)}
     for part in parts:

@@ -439,39 +439,75 @@ def gradients(model: TorchNet, theta_t: torch.Tensor, data: ClientData, rows_t: 
 
 # ---- evaluate ----------------------------------------------------------------------------------
 
+def _row_blocks(data: ClientData, clients: torch.Tensor):
+    """Every row of each client cut into blocks of L consecutive rows (the last one padded with
+    the client's last row): ``(owner int64 [V], k int64 [V], idx int64 [V, L], real bool [V, L])``,
+    block v holding rows of client ``clients[owner[v]]``, the k-th of its blocks. L is a quarter
+    of the clients' mean size (at least 16, at most the largest client): padding every client to
+    the largest one instead costs 1.6-3.7x the rows on lognormal client sizes."""
+    lo, hi = data.offsets[clients], data.offsets[clients + 1]
+    n = hi - lo
+    L = int(min(int(n.max()), max(16, -(-int(n.sum()) // (4 * n.numel())))))
+    nb = (n + L - 1) // L
+    owner = torch.repeat_interleave(torch.arange(n.numel(), device=n.device), nb)
+    k = torch.arange(owner.numel(), device=n.device) - (torch.cumsum(nb, 0) - nb)[owner]
+    j = torch.arange(L, device=n.device)
+    start = (k * L)[:, None] + j  # offsets within the client
+    idx = torch.minimum(lo[owner][:, None] + start, (hi - 1)[owner][:, None])
+    return owner, k, idx, start < n[owner][:, None]
+
+
 def evaluate(model: TorchNet, theta_t: torch.Tensor, data: ClientData, rows_t: torch.Tensor,
              batches: Optional[torch.Tensor] = None):
     """``(loss_sum [R], correct int64 [R], count int64 [R])``: cross-entropy summed over the
     client's rows (or the rows ``batches [R, B]``; no l2), rows whose first maximal logit is the
-    label, rows."""
-    R = theta_t.shape[0]
-    loss = torch.empty(R, dtype=theta_t.dtype, device=theta_t.device)
-    correct = torch.empty(R, dtype=torch.int64, device=theta_t.device)
+    label, rows. ``theta`` [R, d], or [d]: one model for every row (read in place).
+
+    All rows of a client: the rows are cut into blocks (``_row_blocks``), each evaluated with its
+    client's model; the blocks' sums are added per client afterwards, in block order."""
+    R = rows_t.numel()
+    dtype, device = theta_t.dtype, theta_t.device
     count = data.sizes[rows_t].clone() if batches is None else \
-        torch.full((R,), batches.shape[1], dtype=torch.int64, device=theta_t.device)
+        torch.full((R,), batches.shape[1], dtype=torch.int64, device=device)
+    if batches is None:
+        owner, k, idx_all, real_all = _row_blocks(data, rows_t)
+    else:
+        owner, idx_all, real_all = None, batches.to(torch.int64), None
+    V = idx_all.shape[0]
+    loss_v = torch.empty(V, dtype=dtype, device=device)
+    correct_v = torch.empty(V, dtype=torch.int64, device=device)
     logits = _logits_fn(model)
 
     def work(c0: int, c1: int) -> None:
-        if batches is None:
-            idx, w = _full_batch(data, rows_t[c0:c1])
+        if theta_t.dim() == 1:
+            th = theta_t.expand(c1 - c0, theta_t.shape[0])
         else:
-            idx = batches[c0:c1].to(torch.int64)
-            w = torch.ones(idx.shape, dtype=data.dtype, device=data.device)
-        x, y = _gather(data, idx)
-        real = w > 0
+            th = theta_t[c0:c1] if owner is None else theta_t.index_select(0, owner[c0:c1])
+        x, y = _gather(data, idx_all[c0:c1])
         if _fast_mlp(model):  # logits [c, C, n]: the class dimension first (see _MLPChunk)
-            zt = _mlp_logits_t(_mlp_layers(model, theta_t[c0:c1]), x)
+            zt = _mlp_logits_t(_mlp_layers(model, th), x)
             ce = torch.logsumexp(zt, 1).sub_(zt.gather(1, y.unsqueeze(1)).squeeze(1))
-            hit = zt.argmax(1) == y
+            hit = zt.max(1).indices == y  # the first maximal logit, like argmax (7x faster over dim 1)
         else:
-            z = logits(model.split(theta_t[c0:c1]), x)                                  # [c, n, C]
+            z = logits(model.split(th), x)                                              # [c, n, C]
             ce = F.cross_entropy(z.reshape(-1, z.shape[-1]), y.reshape(-1), reduction="none").view(y.shape)
-            hit = z.argmax(-1) == y
-        loss[c0:c1] = torch.where(real, ce, torch.zeros((), dtype=ce.dtype, device=ce.device)).sum(1)
-        correct[c0:c1] = (hit & real).sum(1)
-    per = _max_rows(data, rows_t) if batches is None else batches.shape[1]
-    _for_chunks(list(_chunks(model, R, per, data.dtype, data.device)), work, data.device)
-    return loss, correct, count
+            hit = z.max(-1).indices == y  # the first maximal logit, like argmax (faster)
+        if real_all is None:
+            loss_v[c0:c1], correct_v[c0:c1] = ce.sum(1), hit.sum(1)
+        else:
+            real = real_all[c0:c1]
+            loss_v[c0:c1] = torch.where(real, ce, torch.zeros((), dtype=ce.dtype, device=ce.device)).sum(1)
+            correct_v[c0:c1] = (hit & real).sum(1)
+    _for_chunks(list(_chunks(model, V, idx_all.shape[1], data.dtype, data.device)), work, data.device)
+    if owner is None:
+        return loss_v, correct_v, count
+    # per client, its blocks' sums in block order (one thread: the same bits at any thread count)
+    width = int(k.max()) + 1
+    loss = torch.zeros(R, width, dtype=dtype, device=device)
+    correct = torch.zeros(R, width, dtype=torch.int64, device=device)
+    loss[owner, k] = loss_v
+    correct[owner, k] = correct_v
+    return loss.sum(1), correct.sum(1), count
 
 
 # ---- Hessian-vector products (Per-FedAvg HF) ----------------------------------------------------
@@ -524,7 +560,6 @@ class NetsAdapter(Adapter):
 
     def evaluate(self, model, theta, data, rows, batches=None, trusted=False):
         _values.glm_fault(model, theta, data, rows, batches)
-        theta = _values.one_per_row(theta, data, rows)
         return evaluate(model, theta, data, _all_rows(data, rows), batches)
 
     def hvp(self, model, theta, v, data, rows, batches, trusted=False):
