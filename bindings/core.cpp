@@ -14,6 +14,11 @@
 #include <string>
 
 #include "pflcore/ops_cpu.h"
+#include "pflcore_kernels.h"
+
+namespace pflcore {
+const pflcore_kernel_table* kernel_table();  // bindings/kernel_table.cpp
+}
 
 namespace py = pybind11;
 using namespace pflcore;
@@ -260,12 +265,20 @@ PYBIND11_MODULE(_core, m) {
   m.def("average", [](bool f64, ptr_t theta, int64_t M, int64_t d, ptr_t weights, ptr_t rows, int64_t R, ptr_t out) {
     PFL_DISPATCH(f64, average_t, theta, M, d, weights, rows, R, out);
   });
+  m.def("kernel_table",
+        []() {
+          return py::capsule(static_cast<const void*>(pflcore::kernel_table()), PFLCORE_KERNEL_TABLE_CAPSULE);
+        },
+        "The CPU kernels as a C function table (pflcore/include/pflcore_kernels.h, ABI "
+        "PFLCORE_KERNELS_ABI) in a PyCapsule named 'pflcore_kernel_table': for native code that calls them "
+        "without Python, e.g. the JAX FFI shim");
   m.def("build_info", []() {
     py::dict info;
     info["version"] = PFLCORE_VERSION;
     info["openmp_max_threads"] = omp_get_max_threads();
     info["openmp_version"] = _OPENMP;
     info["arch_flags"] = PFLCORE_ARCH_FLAGS;
+    info["kernel_table_abi"] = PFLCORE_KERNELS_ABI;
 #if defined(__clang__)
     info["compiler"] = std::string("clang ") + __clang_version__;
 #elif defined(__GNUC__)

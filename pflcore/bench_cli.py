@@ -133,11 +133,13 @@ def run(args) -> int:
     extra = [a for a in (args.pytest_args or []) if a != "--"]
     cmd = pytest_command(suite, out, args.quick, args.only, extra)
     print("running:", " ".join(cmd[1:]), flush=True)
-    env = dict(os.environ)
+    # The child must import the installed pflcore, not a checkout's source tree (which has no
+    # compiled _core after a plain `pip install .`): no working directory on its sys.path.
+    env = dict(os.environ, PYTHONSAFEPATH="1")
     if args.threads:  # read by torch, OpenMP and BLAS when they start in the pytest process
         for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
             env[var] = str(args.threads)
-    code = subprocess.run(cmd, cwd=os.path.dirname(suite), env=env).returncode
+    code = subprocess.run(cmd, cwd=suite, env=env).returncode
     if code != 0 or not os.path.exists(out):
         print(f"pflcore bench: pytest exited with code {code}" + ("" if os.path.exists(out) else "; no results"))
         return code or 1

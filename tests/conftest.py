@@ -12,6 +12,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Subprocesses started by tests (`python -c`, `python -m`) must import the installed pflcore,
+# never the source tree in their working directory: after a plain `pip install .` the checkout's
+# pflcore/ has no compiled _core, and a child would silently test the reference fallback.
+# Python >= 3.11 reads this and leaves the working directory off sys.path.
+os.environ["PYTHONSAFEPATH"] = "1"
+
 from pflcore import ClientData, backend, models  # noqa: E402
 
 # Tolerances of a backend against <op>_ref. Both sides compute the same sums in a different

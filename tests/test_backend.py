@@ -117,3 +117,16 @@ def test_cuda_module_was_built_where_nvcc_exists():
         assert mod.device_count() == 0
         ok, why = backend.status()["cuda"]
         assert not ok and why.startswith("built, but"), why
+
+
+def test_child_processes_import_the_installed_package_not_the_checkout():
+    # Many tests run `python -c` / `python -m pflcore` from the repository root; after a plain
+    # `pip install .` the checkout's pflcore/ has no compiled _core, so a child that imported it
+    # would silently run the reference fallback (conftest.py sets PYTHONSAFEPATH for this).
+    import pflcore
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = "import pflcore; from pflcore import backend; print(pflcore.__file__); print(backend.status()['native'][0])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root)
+    path, native = out.stdout.split()
+    assert os.path.realpath(path) == os.path.realpath(pflcore.__file__)
+    assert native == str(backend.status()["native"][0])

@@ -13,10 +13,12 @@ import math
 from typing import Dict, List, Optional
 
 import torch
+from torch.compiler import is_dynamo_compiling, is_exporting
 
 from pflcore import backend
 from pflcore._arrays import from_tensor, to_tensor
 from pflcore._checks import check_finite, check_float, check_positive_int, check_real, check_shape
+from pflcore.ops import _compile
 from pflcore.ops._args import same_device
 
 
@@ -36,6 +38,13 @@ def _residuals(residuals):
 
 def anderson_weights(residuals, reg: float = 1e-8):
     """π ``[k]`` (float64, sums to 1) for residuals ``[k, D]``."""
+    if is_dynamo_compiling() or is_exporting():  # compile, export: torch.ops.pflcore.anderson_weights
+        return _compile.traced_anderson_weights(residuals, reg)
+    return run_anderson_weights(residuals, reg)
+
+
+def run_anderson_weights(residuals, reg: float = 1e-8):
+    """``anderson_weights`` (what its custom op runs)."""
     R, kind = _residuals(residuals)
     reg = check_real(reg, "reg", minimum=0.0)
     G = backend.select("gram", None, R).gram(R)
@@ -92,7 +101,15 @@ class Anderson:
         """The next iterate from ``u`` and ``tu`` = T(u). ``reduce``, when given, is applied to
         the float64 vector of the new Gram column's dot products before they are used: with
         u split in pieces over processes, ``reduce`` sums the pieces' dots (an all-reduce), so
-        every piece mixes with the weights of the whole vector."""
+        every piece mixes with the weights of the whole vector.
+
+        Under ``torch.compile`` this is a graph break (the history is Python state updated by
+        data-dependent branches): compiled code mixes with ``anderson_weights``."""
+        if is_dynamo_compiling() or is_exporting():  # torch.compile: a graph break (ops/_compile.py)
+            return _compile.eager_anderson_step(self, u, tu, reduce)
+        return self._step(u, tu, reduce)
+
+    def _step(self, u, tu, reduce):
         u_t, kind = to_tensor(u, "u")
         tu_t, _ = to_tensor(tu, "tu")
         check_float(u_t, "u")

@@ -2,9 +2,12 @@
 ``Σ_{r ∈ rows} w_r θ_r / Σ_{r ∈ rows} w_r``, accumulated in float64."""
 from __future__ import annotations
 
+from torch.compiler import is_dynamo_compiling, is_exporting
+
 from pflcore import backend
 from pflcore._arrays import from_tensor, to_tensor
 from pflcore._checks import check_float, check_shape
+from pflcore.ops import _compile
 from pflcore.ops._args import IN_ALGORITHM, refuse_inside_algorithm, rows_arg, same_device
 
 
@@ -12,6 +15,8 @@ def average(theta, weights, rows=None):
     """``[d]`` weighted mean of ``theta [m, d]`` over ``rows`` (default all) with ``weights [m]``
     (finite, >= 0, with a positive sum over the rows; checked as they are read). Inside an
     algorithm, use ``ctx.average`` (a collective when the clients are sharded)."""
+    if is_dynamo_compiling() or is_exporting():  # compile, export: torch.ops.pflcore.average
+        return _compile.traced_average(theta, weights, rows)
     if IN_ALGORITHM.get() is not None:
         refuse_inside_algorithm("average")
     return run_average(theta, weights, rows)

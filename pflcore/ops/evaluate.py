@@ -4,8 +4,11 @@ correct count is 0; logistic predicts 1 when z > 0; softmax (and the nets) predi
 maximal logit."""
 from __future__ import annotations
 
+from torch.compiler import is_dynamo_compiling, is_exporting
+
 from pflcore import backend
 from pflcore._arrays import from_tensor
+from pflcore.ops import _compile
 from pflcore.ops._args import (IN_ALGORITHM, batches_arg, check_data, check_model, refuse_inside_algorithm, rows_arg,
                                theta_arg)
 
@@ -16,6 +19,8 @@ def evaluate(model, theta, data, *, rows=None, batches=None):
     as arrays of theta's kind; ``theta`` [d] is one model for every row (a global model at every
     client, without an [m, d] copy). Values are checked as they are read (DESIGN.md §8). Inside
     an algorithm, use ``ctx.evaluate``."""
+    if is_dynamo_compiling() or is_exporting():  # compile, export: torch.ops.pflcore.evaluate
+        return _compile.traced_evaluate(model, theta, data, rows, batches)
     if IN_ALGORITHM.get() is not None:
         refuse_inside_algorithm("evaluate")
     return run_evaluate(model, theta, data, rows, batches, False)

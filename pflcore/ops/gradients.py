@@ -3,8 +3,11 @@ f_i(θ) = mean loss over client i's rows + l2/2·‖θ‖², or, with ``batches 
 loss over the rows ``batches[r]`` (a minibatch gradient, as Per-FedAvg needs)."""
 from __future__ import annotations
 
+from torch.compiler import is_dynamo_compiling, is_exporting
+
 from pflcore import backend
 from pflcore._arrays import from_tensor
+from pflcore.ops import _compile
 from pflcore.ops._args import (IN_ALGORITHM, batches_arg, check_data, check_model, refuse_inside_algorithm, rows_arg,
                                theta_arg)
 
@@ -15,6 +18,8 @@ def gradients(model, theta, data, *, rows=None, batches=None):
     client, without an [m, d] copy). ``batches``: ``int32 [R, B]`` absolute row indices of each
     row's minibatch (each in its client's rows); None = every row of the client. Values are
     checked as they are read (DESIGN.md §8). Inside an algorithm, use ``ctx.gradients``."""
+    if is_dynamo_compiling() or is_exporting():  # compile, export: torch.ops.pflcore.gradients
+        return _compile.traced_gradients(model, theta, data, rows, batches)
     if IN_ALGORITHM.get() is not None:
         refuse_inside_algorithm("gradients")
     return run_gradients(model, theta, data, rows, batches, False)

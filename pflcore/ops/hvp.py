@@ -4,8 +4,11 @@ i = rows[r]. GLMs in closed form (∇²(mean loss)·v = Xᵀ J X v / B, J the He
 the logits); torch nets by forward-over-reverse autodiff, vmapped over rows."""
 from __future__ import annotations
 
+from torch.compiler import is_dynamo_compiling, is_exporting
+
 from pflcore import backend
 from pflcore._arrays import from_tensor
+from pflcore.ops import _compile
 from pflcore.ops._args import (IN_ALGORITHM, batches_arg, check_data, check_model, refuse_inside_algorithm, rows_arg,
                                theta_arg)
 
@@ -14,6 +17,8 @@ def hvp(model, theta, v, data, *, batches, rows=None):
     """``[R, d]``: the Hessian of each row's minibatch objective at ``theta [R, d]`` times
     ``v [R, d]``; ``batches``: ``int32 [R, B]`` absolute row indices in each row's client.
     Inside an algorithm, use ``ctx.hvp``."""
+    if is_dynamo_compiling() or is_exporting():  # compile, export: torch.ops.pflcore.hvp
+        return _compile.traced_hvp(model, theta, v, data, batches, rows)
     if IN_ALGORITHM.get() is not None:
         refuse_inside_algorithm("hvp")
     return run_hvp(model, theta, v, data, batches, rows, False)

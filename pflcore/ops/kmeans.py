@@ -18,12 +18,14 @@ from typing import Callable, List, Optional
 
 import numpy as np
 import torch
+from torch.compiler import is_dynamo_compiling, is_exporting
 
 from pflcore import backend
 from pflcore._arrays import from_tensor, to_tensor
 from pflcore._checks import MAX_COUNT, check_float, check_positive_int, check_real, check_shape
 from pflcore._comm import Comm
 from pflcore.errors import NonFiniteError
+from pflcore.ops import _compile
 from pflcore.ops._args import IN_ALGORITHM, refuse_inside_algorithm, same_device
 
 _ONE_PROCESS = Comm()
@@ -63,6 +65,8 @@ def kmeans_assign(points, centroids):
     """Nearest centroid of every point: ``(labels int64 [N], sqdist [N])``, as arrays of the
     points' kind. NaN/inf in the centroids or the points is a NonFiniteError naming the first
     bad row."""
+    if is_dynamo_compiling() or is_exporting():  # compile, export: torch.ops.pflcore.kmeans_assign
+        return _compile.traced_kmeans_assign(points, centroids)
     if IN_ALGORITHM.get() is not None:
         refuse_inside_algorithm("kmeans_assign")
     points_t, kind = _points(points)
@@ -204,6 +208,8 @@ def kmeans(points, k=None, *, init="k-means++", iters: int = 100, tol: float = 1
     labels are then this rank's, the centroids and inertia global. Inside an algorithm, use
     ``ctx.kmeans``.
     """
+    if is_dynamo_compiling() or is_exporting():  # torch.compile: a graph break (ops/_compile.py)
+        return _compile.eager_kmeans(points, k, init, iters, tol, seed, weights, comm)
     if IN_ALGORITHM.get() is not None:
         refuse_inside_algorithm("kmeans")
     return run_kmeans(points, k, init, iters, tol, seed, weights, comm)

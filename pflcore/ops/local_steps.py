@@ -8,9 +8,12 @@ else ``batches[r, s, :]``, absolute row indices into x); a_r is ``anchor[r]`` ([
 """
 from __future__ import annotations
 
+from torch.compiler import is_dynamo_compiling, is_exporting
+
 from pflcore import backend
 from pflcore._arrays import TORCH, from_tensor, to_tensor
 from pflcore._checks import MAX_COUNT, check_float, check_positive_int, check_real, check_shape
+from pflcore.ops import _compile
 from pflcore.ops._args import (IN_ALGORITHM, apart_from, batches_arg, check_data, check_model,
                                refuse_inside_algorithm, rows_arg, same_device, theta_arg, vector_arg)
 
@@ -60,6 +63,8 @@ def local_steps(model, theta, data, *, steps, lr, prox=0.0, anchor=None, batches
 
     Inside an algorithm's round, use ``ctx.local_steps`` (this raises RuntimeError there).
     """
+    if is_dynamo_compiling() or is_exporting():  # compile, export: torch.ops.pflcore.local_steps
+        return _compile.traced_local_steps(model, theta, data, steps, lr, prox, anchor, batches, rows, grad_scale)
     if IN_ALGORITHM.get() is not None:
         refuse_inside_algorithm("local_steps")
     return run_local_steps(model, theta, data, steps, lr, prox, anchor, batches, rows, grad_scale, False)

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from torch.compiler import is_dynamo_compiling, is_exporting
 
 from pflcore import backend
 from pflcore._checks import MAX_COUNT, check_positive_int
 from pflcore.client_data import ClientData
+from pflcore.ops import _compile
 from pflcore.ops._args import IN_ALGORITHM, refuse_inside_algorithm, rows_arg
 
 _M32 = 0xFFFFFFFF
@@ -30,6 +32,8 @@ def sample_batches(data, *, steps, batch_size, seed, counter, clients=None):
     R = m). The hash takes the global client id ``data.first_client + clients[r]``, so a shard
     draws what the whole federation draws for the same clients. Inside an algorithm, use
     ``ctx.batches``."""
+    if is_dynamo_compiling() or is_exporting():  # compile, export: torch.ops.pflcore.sample_batches
+        return _compile.traced_sample_batches(data, steps, batch_size, seed, counter, clients)
     if IN_ALGORITHM.get() is not None:
         refuse_inside_algorithm("sample_batches")
     return run_sample_batches(data, steps, batch_size, seed, counter, clients)
