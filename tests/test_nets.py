@@ -374,3 +374,58 @@ def test_nets_bitwise_identical_with_one_two_and_three_threads():
         assert out.returncode == 0, out.stderr
         digests.append(out.stdout.strip())
     assert len(digests[0]) == 64 and digests[0] == digests[1] == digests[2]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [(), (6,), (7, 5)])
+def test_hand_written_mlp_prox_steps_on_repeated_minibatches_match_reference(dtype, hidden):
+    """pFedMe's call: K steps on ONE minibatch repeated (the hand-written path gathers it once),
+    prox toward a per-row anchor with l2 = 0 (the lerp_ branch), a shared anchor, grad_scale."""
+    net = models.MLP(9, hidden, 4)
+    sizes = [5, 1, 8, 3]
+    d_ = make_data(net, sizes, dtype, seed=23)
+    rows = torch.tensor([2, 0, 3, 3, 1], dtype=torch.int64)
+    b = ops.sample_batches(d_, steps=2, batch_size=4, seed=5, counter=7, clients=rows)
+    batches = b.repeat_interleave(3, dim=1).contiguous()  # 2 local rounds x 3 inner steps
+    theta = _theta(net, 5, dtype, seed=24)
+    scale = torch.tensor([0.5, 1.0, 2.0, 0.0, 1.5], dtype=dtype)
+    for anchor, scale in ((_theta(net, 5, dtype, seed=25), None), (_theta(net, 1, dtype, seed=26)[0], scale)):
+        kw = dict(steps=6, lr=0.05, prox=4.0, anchor=anchor, rows=rows, batches=batches, grad_scale=scale)
+        got, want = theta.clone(), theta.clone()
+        ops.local_steps(net, got, d_, **kw)
+        ops.local_steps_ref(net, want, d_, **kw)
+        torch.testing.assert_close(got, want, **TOL[dtype])
+        assert float((got - theta).abs().max()) > 1e-3
+
+
+def test_hand_written_mlp_evaluate_counts_first_maximal_logit():
+    """The hand-written MLP evaluation (logits classes-first) counts a row correct when its
+    label is the FIRST maximal logit, as the vmapped path and the reference do."""
+    net = models.MLP(3, (), 3)
+    x = torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
+    d_ = ClientData(x, torch.tensor([0, 1, 0]), torch.tensor([0, 3]))
+    theta = torch.cat([torch.eye(3).reshape(-1), torch.zeros(3)])[None]  # logits = x
+    loss, correct, count = ops.evaluate(net, theta, d_)
+    # row 0: label 0 is the max; row 1: all tie, the first (0) is not label 1; row 2: max at 1, label 0
+    assert correct.tolist() == [1] and count.tolist() == [3]
+    rl, rc, _ = ops.evaluate_ref(net, theta, d_)
+    assert torch.equal(correct, rc)
+    torch.testing.assert_close(loss, rl)
+
+
+@pytest.mark.parametrize("net_factory", NETS, indirect=True)
+def test_evaluate_of_clients_cut_into_blocks_matches_reference(net_factory):
+    """Clients of 1 to 100 rows: each client's rows are evaluated in blocks of L rows (several
+    blocks for the large ones) and summed per client; one shared model [d] reads the same."""
+    net = net_factory()
+    sizes = [1, 40, 3, 100, 2, 17]
+    d_ = make_data(net, sizes, torch.float64, seed=27)
+    theta = _theta(net, 6, torch.float64, seed=28)
+    loss, correct, count = ops.evaluate(net, theta, d_)
+    rl, rc, rn = ops.evaluate_ref(net, theta, d_)
+    torch.testing.assert_close(loss, rl, **TOL[torch.float64])
+    assert torch.equal(correct, rc) and count.tolist() == sizes
+    shared = _theta(net, 1, torch.float64, seed=29)[0]
+    got = ops.evaluate(net, shared, d_)
+    for u, v in zip(got, ops.evaluate(net, shared.expand(6, net.d).contiguous(), d_)):
+        assert torch.equal(u, v)

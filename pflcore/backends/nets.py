@@ -28,10 +28,15 @@ Minibatches ``[R, steps, B]`` need no padding (weight 1/B). ``grad_scale[r]`` mu
 row weights of r (it scales the loss gradient only, not l2 or prox).
 
 MLPs take a faster path by default (``HAND_WRITTEN_MLP``): the same batched math written out
-with ``torch.baddbmm`` (forward, then backward layer by layer), where the update of each weight
-matrix is fused into the GEMM that forms its gradient (``W.baddbmm_(dzᵀ, h, alpha=−lr)``) right
-after that W was last read; bench/algorithms.py measures it against the vmap path and a
-per-client loop of ``torch.nn`` modules.
+with batched GEMMs (``_MLPChunk``). For one call a chunk's parameters are copied to one
+contiguous block per layer, ``[c, out, in + 1]`` with the bias as the last column, so that a
+layer's forward is one ``bmm`` against inputs with a column of ones and its update is one
+in-place ``baddbmm_`` that adds the weight AND bias gradients and the step's shrink
+(1 − lr(l2 + prox)) at once; activations are kept classes/features-first (``[c, out, n]``),
+where torch's softmax is fast; the ReLU's backward is one fused pass; a step that reuses the
+previous step's minibatch (pFedMe's inner steps) does not gather it again. bench/algorithms.py
+measures it (GFLOP/s against a 2048² matmul) and against the vmap path and a per-client loop of
+``torch.nn`` modules.
 
 The references (``pflcore/backends/reference.py``) are a plain loop over model rows with
 ``torch.autograd`` on a ``torch.nn`` module holding the row's parameters (``net.module()``),
@@ -194,28 +199,160 @@ def _mlp_layers(model: MLP, theta: torch.Tensor):
     return out
 
 
-def _mlp_backward(model: MLP, theta: torch.Tensor, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, visit):
-    """Forward and backward of Σ_j w_j·ce_j for the c models in ``theta [c, d]`` on rows
-    ``x [c, n, p]``, labels ``y [c, n]``, row weights ``w [c, n]``. For every layer, last first,
-    calls ``visit(j, W, b, dz, h)`` with the layer's parameter views, the gradient of the loss
-    in its output ``dz [c, n, out]`` and its input ``h [c, n, in]`` (so dW = dzᵀh, db = Σ_n dz);
-    ``visit`` may overwrite W and b: this layer's W has already been read for the next dz."""
-    layers = _mlp_layers(model, theta)
-    hs, zs = [x], []
-    for j, (W, b) in enumerate(layers):
-        z = torch.baddbmm(b[:, None, :], hs[-1], W.transpose(1, 2))  # [c, n, out]
-        zs.append(z)
-        if j < len(layers) - 1:
-            hs.append(torch.relu(z))
-    dz = torch.softmax(zs[-1], dim=2)
-    dz.scatter_add_(2, y[:, :, None], torch.full(y.shape + (1,), -1.0, dtype=dz.dtype, device=dz.device))
-    dz.mul_(w[:, :, None])
-    for j in range(len(layers) - 1, -1, -1):
-        W, b = layers[j]
-        dh = torch.bmm(dz, W) if j > 0 else None  # [c, n, in], with W before visit() changes it
-        visit(j, W, b, dz, hs[j])
-        if j > 0:
-            dz = dh.mul_(zs[j - 1] > 0)
+def _relu_backward_(dh: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """dh ← dh where the ReLU's output h > 0, else 0: one pass in place (multiplying by a
+    boolean mask costs ~10x more on the CPU)."""
+    return torch.ops.aten.threshold_backward.grad_input(dh, h, 0, grad_input=dh)
+
+
+class _MLPChunk:
+    """c MLPs (one chunk of model rows) in the layout their batched math wants, for one call.
+
+    Parameters: per layer one contiguous ``[c, out, in + 1]`` block, the weight matrix with the
+    bias as an extra last column, so that one batched GEMM gives a layer's outputs and one its
+    weight AND bias gradient (against inputs with a column of ones). In ``theta [R, d]`` a model's
+    layers lie d apart, and torch's in-place batched GEMM on such a strided block falls back to
+    one small GEMM per model (1.6x slower); the copy in and out is two passes over the
+    parameters per call, shared by all its steps.
+
+    Activations are feature-major, ``[c, features (+1 row of ones), n]``: the logits are
+    ``[c, C, n]``, whose softmax over dim 1 torch computes ~10x faster than over a last dimension
+    of ~10 classes. The inputs ``x`` stay row-major ``[c, n, p + 1]`` (gathered in place next to
+    their column of ones).
+    """
+
+    def __init__(self, model: MLP, c: int, n: int, dtype: torch.dtype, device: torch.device):
+        self.model, self.c, self.n = model, c, n
+        sizes = (model.p,) + model.hidden + (model.C,)
+        self.shapes = [(sizes[j + 1], sizes[j]) for j in range(len(sizes) - 1)]  # (out, in) per layer
+        kw = dict(dtype=dtype, device=device)
+        self.params = [torch.empty(c, o, i + 1, **kw) for o, i in self.shapes]
+        self.x = torch.ones(c, n, model.p + 1, **kw)
+        acts = [torch.ones(c, h + 1, n, **kw) for h in model.hidden]  # hidden outputs + a row of ones
+        # the views every step uses, made once (a view costs a few µs of dispatch)
+        self.ins = [self.x] + [a.transpose(1, 2) for a in acts]   # layer inputs [c, n, in + 1]
+        self.ins_t = [self.x.transpose(1, 2)] + acts              # the same as [c, in + 1, n]
+        self.relu_out = [a[:, :-1] for a in acts]                  # [c, h, n] next to the ones
+        self.weights_t = [P[:, :, :-1].transpose(1, 2) for P in self.params]  # Wᵀ [c, in, out]
+        self.dh = [torch.empty(c, h, n, **kw) for h in model.hidden]
+        self.x_rows = self.x.view(c * n, model.p + 1)[:, :model.p]
+        self.minus_one = torch.full((1, 1, 1), -1.0, **kw).expand(c, 1, n)
+
+    # ---- parameters in and out ----------------------------------------------------------------
+
+    def load(self, theta: torch.Tensor) -> None:
+        """The parameters ← the rows of ``theta [c, d]``."""
+        self._copy_in(theta, self.params)
+
+    def blocks_of(self, theta: torch.Tensor) -> List[torch.Tensor]:
+        """``theta`` [c, d] (or [d], one model for all: blocks [1, out, in + 1]) in the chunk's
+        layout, as new blocks."""
+        lead = self.c if theta.dim() == 2 else 1
+        blocks = [theta.new_empty(lead, o, i + 1) for o, i in self.shapes]
+        self._copy_in(theta, blocks)
+        return blocks
+
+    def _copy_in(self, theta: torch.Tensor, blocks: List[torch.Tensor]) -> None:
+        for blk, (W, b), (o, i) in zip(blocks, _mlp_layers(self.model, theta), self.shapes):
+            blk[..., :i].copy_(W)
+            blk[..., i].copy_(b)
+
+    def store(self, theta: torch.Tensor, blocks: Optional[List[torch.Tensor]] = None) -> None:
+        """Writes ``blocks`` (default: the parameters) into the rows of ``theta [c, d]``."""
+        for blk, (W, b), (o, i) in zip(blocks or self.params, _mlp_layers(self.model, theta), self.shapes):
+            W.copy_(blk[:, :, :i])
+            b.copy_(blk[:, :, i])
+
+    # ---- one forward and backward pass ---------------------------------------------------------
+
+    def gather(self, data: ClientData, idx: torch.Tensor) -> torch.Tensor:
+        """Reads the rows ``idx`` (int64 [c, n]) into the input block; returns their labels [c, n]."""
+        flat = idx.reshape(-1)
+        torch.index_select(data.x, 0, flat, out=self.x_rows)
+        return data.y.index_select(0, flat).view(self.c, self.n)
+
+    def backward(self, y: torch.Tensor, w: Optional[torch.Tensor], visit) -> None:
+        """Forward and backward of Σ_j w_j·ce_j on the gathered rows and labels ``y [c, n]`` (row
+        weights ``w [c, n]``, or None: every row weighs 1 and the caller scales). For every layer,
+        last first, calls ``visit(j, dz, a)``: the gradient of the loss in the layer's output
+        ``dz [c, out, n]`` and its input with a ones column ``a [c, n, in + 1]``, so that the
+        gradient of the layer's block is ``dz @ a``. ``visit`` may overwrite the layer's block:
+        it has been read for the next dz."""
+        last = len(self.params) - 1
+        for j, P in enumerate(self.params):
+            z = torch.bmm(P, self.ins_t[j])  # [c, out, n]
+            if j < last:
+                torch.clamp_min(z, 0, out=self.relu_out[j])  # ReLU
+        dz = torch.softmax(z, 1)  # d ce / d z = softmax(z) − onehot(y)
+        dz.scatter_add_(1, y.unsqueeze(1), self.minus_one)
+        if w is not None:
+            dz.mul_(w.unsqueeze(1))
+        for j in range(last, -1, -1):
+            if j > 0:  # with the block before visit() changes it
+                dh = torch.bmm(self.weights_t[j], dz, out=self.dh[j - 1])
+            visit(j, dz, self.ins[j])
+            if j > 0:
+                dz = _relu_backward_(dh, self.relu_out[j - 1])
+
+
+def _gather(data: ClientData, idx: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(x [*idx.shape, p], y [*idx.shape]) of the rows ``idx`` (int64): ``index_select`` on the
+    flat indices (4x faster than ``x[idx]`` with a 2-D index)."""
+    flat = idx.reshape(-1)
+    return (data.x.index_select(0, flat).view(*idx.shape, data.x.shape[1]),
+            data.y.index_select(0, flat).view(idx.shape))
+
+
+def _mlp_logits_t(layers, x: torch.Tensor) -> torch.Tensor:
+    """Logits ``[c, C, n]`` (classes first) of the c models ``layers`` (views into theta, see
+    ``_mlp_layers``) on rows ``x [c, n, p]``."""
+    h = x
+    for W, b in layers[:-1]:
+        h = torch.baddbmm(b.unsqueeze(1), h, W.transpose(1, 2)).relu_()  # [c, n, out]
+    W, b = layers[-1]
+    return torch.baddbmm(b.unsqueeze(2), W, h.transpose(1, 2))
+
+
+def _mlp_local_steps(model: MLP, th: torch.Tensor, data: ClientData, batch_idx: Optional[torch.Tensor],
+                     full: Optional[tuple], a: Optional[torch.Tensor], scale: Optional[torch.Tensor], steps: int,
+                     lr: float, prox: float) -> None:
+    """The steps of one chunk ``th [c, d]`` (a view of theta's rows) on minibatches
+    ``batch_idx`` (int64 [steps, c, B]) or on ``full = (idx [c, n], w [c, n])`` (every row of
+    the clients, padded). θ ← θ(1 − lr(l2 + prox)) + lr·prox·a − lr·g, the shrink and the
+    gradient in one GEMM: ``P.baddbmm_(dz, inputs, beta=1 − lr(l2 + prox), alpha=−lr)``; with an
+    anchor and l2 = 0 the anchor term is one ``lerp_`` pass before it (θ + lr·prox·(a − θ))."""
+    c = th.shape[0]
+    n = batch_idx.shape[2] if batch_idx is not None else full[0].shape[1]
+    ch = _MLPChunk(model, c, n, th.dtype, th.device)
+    ch.load(th)
+    # the anchor in the chunk's layout (one block per layer: lerp_ in one contiguous pass)
+    anchor = ch.blocks_of(a) if prox and a is not None else None
+    lerp = anchor is not None and model.l2 == 0
+    beta = 1.0 if lerp else 1.0 - lr * (model.l2 + prox)
+    if full is not None:
+        w = full[1] if scale is None else full[1] * scale[:, None]
+    else:
+        w = None if scale is None else (scale / n)[:, None].expand(c, n)
+    alpha = -lr if w is not None else -lr / n  # minibatches: the 1/B of the mean in the GEMM's alpha
+
+    def update(j, dz, inp):
+        P = ch.params[j]
+        if lerp:
+            P.lerp_(anchor[j], lr * prox)
+        P.baddbmm_(dz, inp, beta=beta, alpha=alpha)
+        if anchor is not None and not lerp:
+            P.add_(anchor[j], alpha=lr * prox)
+
+    if full is not None:
+        y = ch.gather(data, full[0])
+        fresh = [False] * steps
+    else:  # a step whose minibatch is the previous step's (pFedMe's inner steps) reuses its rows
+        fresh = [True] + (batch_idx[1:] != batch_idx[:-1]).flatten(1).any(1).tolist()
+    for s in range(steps):
+        if fresh[s]:
+            y = ch.gather(data, batch_idx[s])
+        ch.backward(y, w, update)
+    ch.store(th)
 
 
 # ---- local_steps -------------------------------------------------------------------------------
@@ -236,6 +373,14 @@ def local_steps(model: TorchNet, theta_t: torch.Tensor, data: ClientData, rows_t
     def work(c0: int, c1: int) -> None:
         th = theta_t[c0:c1]  # consecutive rows of a contiguous [R, d]: a contiguous view
         a = None if anchor_t is None else (anchor_t if anchor_t.dim() == 1 else anchor_t[c0:c1])
+        if fast:
+            scale = None if scale_t is None else scale_t[c0:c1]
+            if batches_t is None:
+                _mlp_local_steps(model, th, data, None, _full_batch(data, rows_t[c0:c1]), a, scale, steps, lr, prox)
+            else:  # the chunk's indices step-major and int64, once per call
+                idx = batches_t[c0:c1].transpose(0, 1).to(torch.int64).contiguous()
+                _mlp_local_steps(model, th, data, idx, None, a, scale, steps, lr, prox)
+            return
         if batches_t is None:
             idx, w = _full_batch(data, rows_t[c0:c1])
             x, y = data.x[idx], data.y[idx]
@@ -244,28 +389,10 @@ def local_steps(model: TorchNet, theta_t: torch.Tensor, data: ClientData, rows_t
                            device=data.device)
         if scale_t is not None:
             w = w * scale_t[c0:c1, None]
-        if fast:
-            a_layers = None if a is None else _mlp_layers(model, a)
-
-            def update(j, W, b, dz, h):  # θ ← θ(1 − lr(l2 + prox)) + lr·prox·a − lr·g, fused
-                for k, (p_, g_) in enumerate(((W, None), (b, dz.sum(1)))):
-                    if prox and a_layers is not None and model.l2 == 0:
-                        p_.lerp_(a_layers[j][k], lr * prox)  # one pass: θ + lr·prox·(a − θ)
-                    elif shrink != 1.0:
-                        p_.mul_(shrink)
-                        if prox and a_layers is not None:
-                            p_.add_(a_layers[j][k], alpha=lr * prox)
-                    if g_ is None:
-                        p_.baddbmm_(dz.transpose(1, 2), h, alpha=-lr)
-                    else:
-                        p_.add_(g_, alpha=-lr)
         for s in range(steps):
             if batches_t is not None:
                 idx = batches_t[c0:c1, s].to(torch.int64)
                 x, y = data.x[idx], data.y[idx]
-            if fast:
-                _mlp_backward(model, th, x, y, w, update)
-                continue
             g = model.flatten(grad(model.split(th), x, y, w))
             if shrink != 1.0:
                 th.mul_(shrink)
@@ -293,13 +420,14 @@ def gradients(model: TorchNet, theta_t: torch.Tensor, data: ClientData, rows_t: 
             idx = batches_t[c0:c1].to(torch.int64)
             w = torch.full(idx.shape, 1.0 / idx.shape[1], dtype=data.dtype, device=data.device)
         if _fast_mlp(model):
-            dst = _mlp_layers(model, out[c0:c1])
+            ch = _MLPChunk(model, c1 - c0, idx.shape[1], th.dtype, th.device)
+            ch.load(th)
+            grads = [None] * len(ch.params)
 
-            def store(j, W, b, dz, h):
-                torch.bmm(dz.transpose(1, 2), h, out=dst[j][0]) if dst[j][0].is_contiguous() else \
-                    dst[j][0].copy_(torch.bmm(dz.transpose(1, 2), h))
-                dst[j][1].copy_(dz.sum(1))
-            _mlp_backward(model, th, data.x[idx], data.y[idx], w, store)
+            def keep(j, dz, inp):
+                grads[j] = torch.bmm(dz, inp)
+            ch.backward(ch.gather(data, idx), w, keep)
+            ch.store(out[c0:c1], grads)
             if model.l2:
                 out[c0:c1].add_(th, alpha=model.l2)
             return
@@ -311,33 +439,75 @@ def gradients(model: TorchNet, theta_t: torch.Tensor, data: ClientData, rows_t: 
 
 # ---- evaluate ----------------------------------------------------------------------------------
 
+def _row_blocks(data: ClientData, clients: torch.Tensor):
+    """Every row of each client cut into blocks of L consecutive rows (the last one padded with
+    the client's last row): ``(owner int64 [V], k int64 [V], idx int64 [V, L], real bool [V, L])``,
+    block v holding rows of client ``clients[owner[v]]``, the k-th of its blocks. L is a quarter
+    of the clients' mean size (at least 16, at most the largest client): padding every client to
+    the largest one instead costs 1.6-3.7x the rows on lognormal client sizes."""
+    lo, hi = data.offsets[clients], data.offsets[clients + 1]
+    n = hi - lo
+    L = int(min(int(n.max()), max(16, -(-int(n.sum()) // (4 * n.numel())))))
+    nb = (n + L - 1) // L
+    owner = torch.repeat_interleave(torch.arange(n.numel(), device=n.device), nb)
+    k = torch.arange(owner.numel(), device=n.device) - (torch.cumsum(nb, 0) - nb)[owner]
+    j = torch.arange(L, device=n.device)
+    start = (k * L)[:, None] + j  # offsets within the client
+    idx = torch.minimum(lo[owner][:, None] + start, (hi - 1)[owner][:, None])
+    return owner, k, idx, start < n[owner][:, None]
+
+
 def evaluate(model: TorchNet, theta_t: torch.Tensor, data: ClientData, rows_t: torch.Tensor,
              batches: Optional[torch.Tensor] = None):
     """``(loss_sum [R], correct int64 [R], count int64 [R])``: cross-entropy summed over the
     client's rows (or the rows ``batches [R, B]``; no l2), rows whose first maximal logit is the
-    label, rows."""
-    R = theta_t.shape[0]
-    loss = torch.empty(R, dtype=theta_t.dtype, device=theta_t.device)
-    correct = torch.empty(R, dtype=torch.int64, device=theta_t.device)
+    label, rows. ``theta`` [R, d], or [d]: one model for every row (read in place).
+
+    All rows of a client: the rows are cut into blocks (``_row_blocks``), each evaluated with its
+    client's model; the blocks' sums are added per client afterwards, in block order."""
+    R = rows_t.numel()
+    dtype, device = theta_t.dtype, theta_t.device
     count = data.sizes[rows_t].clone() if batches is None else \
-        torch.full((R,), batches.shape[1], dtype=torch.int64, device=theta_t.device)
+        torch.full((R,), batches.shape[1], dtype=torch.int64, device=device)
+    if batches is None:
+        owner, k, idx_all, real_all = _row_blocks(data, rows_t)
+    else:
+        owner, idx_all, real_all = None, batches.to(torch.int64), None
+    V = idx_all.shape[0]
+    loss_v = torch.empty(V, dtype=dtype, device=device)
+    correct_v = torch.empty(V, dtype=torch.int64, device=device)
     logits = _logits_fn(model)
 
     def work(c0: int, c1: int) -> None:
-        if batches is None:
-            idx, w = _full_batch(data, rows_t[c0:c1])
+        if theta_t.dim() == 1:
+            th = theta_t.expand(c1 - c0, theta_t.shape[0])
         else:
-            idx = batches[c0:c1].to(torch.int64)
-            w = torch.ones(idx.shape, dtype=data.dtype, device=data.device)
-        y = data.y[idx]
-        z = logits(model.split(theta_t[c0:c1]), data.x[idx])                       # [c, n, C]
-        ce = F.cross_entropy(z.reshape(-1, z.shape[-1]), y.reshape(-1), reduction="none").view(y.shape)
-        real = w > 0
-        loss[c0:c1] = torch.where(real, ce, torch.zeros((), dtype=ce.dtype, device=ce.device)).sum(1)
-        correct[c0:c1] = ((z.argmax(-1) == y) & real).sum(1)
-    per = _max_rows(data, rows_t) if batches is None else batches.shape[1]
-    _for_chunks(list(_chunks(model, R, per, data.dtype, data.device)), work, data.device)
-    return loss, correct, count
+            th = theta_t[c0:c1] if owner is None else theta_t.index_select(0, owner[c0:c1])
+        x, y = _gather(data, idx_all[c0:c1])
+        if _fast_mlp(model):  # logits [c, C, n]: the class dimension first (see _MLPChunk)
+            zt = _mlp_logits_t(_mlp_layers(model, th), x)
+            ce = torch.logsumexp(zt, 1).sub_(zt.gather(1, y.unsqueeze(1)).squeeze(1))
+            hit = zt.max(1).indices == y  # the first maximal logit, like argmax (7x faster over dim 1)
+        else:
+            z = logits(model.split(th), x)                                              # [c, n, C]
+            ce = F.cross_entropy(z.reshape(-1, z.shape[-1]), y.reshape(-1), reduction="none").view(y.shape)
+            hit = z.max(-1).indices == y  # the first maximal logit, like argmax (faster)
+        if real_all is None:
+            loss_v[c0:c1], correct_v[c0:c1] = ce.sum(1), hit.sum(1)
+        else:
+            real = real_all[c0:c1]
+            loss_v[c0:c1] = torch.where(real, ce, torch.zeros((), dtype=ce.dtype, device=ce.device)).sum(1)
+            correct_v[c0:c1] = (hit & real).sum(1)
+    _for_chunks(list(_chunks(model, V, idx_all.shape[1], data.dtype, data.device)), work, data.device)
+    if owner is None:
+        return loss_v, correct_v, count
+    # per client, its blocks' sums in block order (one thread: the same bits at any thread count)
+    width = int(k.max()) + 1
+    loss = torch.zeros(R, width, dtype=dtype, device=device)
+    correct = torch.zeros(R, width, dtype=torch.int64, device=device)
+    loss[owner, k] = loss_v
+    correct[owner, k] = correct_v
+    return loss.sum(1), correct.sum(1), count
 
 
 # ---- Hessian-vector products (Per-FedAvg HF) ----------------------------------------------------
@@ -390,7 +560,6 @@ class NetsAdapter(Adapter):
 
     def evaluate(self, model, theta, data, rows, batches=None, trusted=False):
         _values.glm_fault(model, theta, data, rows, batches)
-        theta = _values.one_per_row(theta, data, rows)
         return evaluate(model, theta, data, _all_rows(data, rows), batches)
 
     def hvp(self, model, theta, v, data, rows, batches, trusted=False):
