@@ -94,7 +94,8 @@ from pflcore.backends import _values
 from pflcore.backends import nets as nets_adapter
 from pflcore.models import CNN, MLP, Softmax
 
-from _harness import (Stopwatch, best_of, loadavg, machine_info, now, print_table, read_json, rows_from,
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _harness, even under PYTHONSAFEPATH
+from _harness import (Stopwatch, best_of, loadavg, machine_info, now, print_table, read_json, rows_from,  # noqa: E402
                       torch_threads, warn_if_busy, write_json)
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -426,3 +426,21 @@ def test_counts_are_bounded_where_the_kernels_count_in_int64():
     with pytest.raises(ValueError, match=r"^seed: expected an integer in \[0, 2\*\*64\), got 1180591620717411303424"):
         ops.kmeans(torch.randn(5, 2), 2, seed=2**70)
     assert ops.kmeans(torch.randn(5, 2), 2, seed=2**64 - 1).centroids.shape == (2, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_value_prepass_row_check_is_exact_where_row_sums_overflow(dtype):
+    # The torch pre-pass checks a row's sum first (one fast pass); a sum that overflows must not
+    # flag a finite row, and NaN, inf, -inf and inf - inf rows must all be flagged.
+    from pflcore.backends._values import all_finite, rows_finite
+    big = torch.finfo(dtype).max
+    t = torch.zeros(6, 5, dtype=dtype)
+    t[0] = big  # finite, sum overflows
+    t[1, 2] = float("nan")
+    t[2, 0] = float("inf")
+    t[3, 4] = -float("inf")
+    t[4, 0], t[4, 1] = float("inf"), -float("inf")
+    want = torch.isfinite(t).all(1)
+    assert torch.equal(rows_finite(t), want) and want.tolist() == [True, False, False, False, False, True]
+    assert all_finite(t[[0, 5]]) and not all_finite(t[:2]) and not all_finite(t[4:])
+    assert torch.equal(rows_finite(t.view(6, 5, 1)), want) and rows_finite(t[:0]).numel() == 0

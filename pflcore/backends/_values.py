@@ -42,6 +42,28 @@ def _first(mask: torch.Tensor) -> int:
     return int(idx[0, 0]) if idx.numel() else -1
 
 
+def rows_finite(t: torch.Tensor) -> torch.Tensor:
+    """[R] bool: row r of ``t`` [R, ...] holds no NaN or inf. A row's sum is finite only if every
+    value is (NaN and inf propagate; inf - inf is NaN), and a sum is one fast vectorized pass
+    where ``isfinite(t).all(1)`` costs ~13x more; rows whose sum is not finite, including
+    finite rows whose sum overflowed, are looked at value by value."""
+    t = t.flatten(1) if t.dim() > 1 else t.reshape(-1, 1)
+    if not t.is_floating_point():
+        return torch.ones(t.shape[0], dtype=torch.bool, device=t.device)
+    ok = torch.isfinite(t.sum(1))
+    if not bool(ok.all()):
+        bad = torch.nonzero(~ok).view(-1)
+        ok[bad] = torch.isfinite(t.index_select(0, bad)).all(1)
+    return ok
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """No NaN or inf anywhere in ``t`` (its sum first, as rows_finite)."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return True
+    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
+
+
 def _label_bad(model, y: torch.Tensor) -> torch.Tensor:
     if model.is_classifier:
         return (y < 0) | (y >= model.num_classes)
@@ -80,12 +102,34 @@ def _message_client(r: int, code: int, clients, lo, hi, m: int, N: int, name: st
                         f"got {int(lo[r])} and {int(hi[r])}")
 
 
+# Values of features gathered at a time when only the minibatches' rows are checked (bounds the
+# temporary copy at 16 MB of float32).
+_GATHER_VALUES = 1 << 22
+
+
+def _batch_rows_bad(model, x: torch.Tensor, y: torch.Tensor, rows: torch.Tensor):
+    """(label bad, features bad) of the data rows ``rows`` (any shape, valid indices). A call
+    reads only its minibatches' rows, so only those are checked when they are fewer than the
+    data's rows (a pFedMe step on 1,000 clients reads 20 rows of each, not the whole federation);
+    otherwise one pass over all rows is cheaper than the gathers."""
+    N = x.shape[0]
+    flat = rows.reshape(-1)
+    if flat.numel() >= N:
+        x_bad = ~rows_finite(x)
+        return _label_bad(model, y)[rows], x_bad[rows]
+    x_bad = torch.empty(flat.shape, dtype=torch.bool, device=x.device)
+    step = max(1, _GATHER_VALUES // max(1, x[0].numel() if N else 1))
+    for a in range(0, flat.numel(), step):
+        x_bad[a:a + step] = ~rows_finite(x.index_select(0, flat[a:a + step]))
+    return _label_bad(model, y.index_select(0, flat)).view(rows.shape), x_bad.view(rows.shape)
+
+
 def glm_fault(model, theta: Optional[torch.Tensor], data, rows: Optional[torch.Tensor],
               batches: Optional[torch.Tensor] = None, anchor: Optional[torch.Tensor] = None,
               grad_scale: Optional[torch.Tensor] = None) -> None:
     """``theta`` [R, d], or [d]: one model for every row (checked first, as a whole)."""
     if theta is not None and theta.dim() == 1:
-        if not bool(torch.isfinite(theta).all()):
+        if not all_finite(theta):
             _raise(NonFiniteError, "theta: holds a NaN or infinite value")
         theta = None
     """Raises the first fault of a local_steps / gradients / evaluate call (see the module
@@ -98,20 +142,18 @@ def glm_fault(model, theta: Optional[torch.Tensor], data, rows: Optional[torch.T
     dev = x.device
     clients, safe, lo, hi, key, _ = client_rows_fault(rows, offsets, m, N)
     if theta is not None:
-        key = torch.where((key == _BIG) & ~torch.isfinite(theta).all(1), torch.full_like(key, 2), key)
+        key = torch.where((key == _BIG) & ~rows_finite(theta), torch.full_like(key, 2), key)
     anchor_shared_bad = False
     if anchor is not None:
         if anchor.dim() == 1:
-            anchor_shared_bad = not bool(torch.isfinite(anchor).all())
+            anchor_shared_bad = not all_finite(anchor)
             if anchor_shared_bad:
                 key = torch.where(key == _BIG, torch.full_like(key, 3), key)
         else:
-            key = torch.where((key == _BIG) & ~torch.isfinite(anchor).all(1), torch.full_like(key, 3), key)
+            key = torch.where((key == _BIG) & ~rows_finite(anchor), torch.full_like(key, 3), key)
     if grad_scale is not None:
         key = torch.where((key == _BIG) & ~torch.isfinite(grad_scale), torch.full_like(key, 4), key)
 
-    # faults of the rows read: per data row, 2·row + (0 label, 1 features)
-    row_bad = torch.stack([_label_bad(model, y), ~torch.isfinite(x).all(1)], 1).reshape(-1)  # [2N]
     step_key = None
     if batches is not None:
         b3 = batches.view(R, -1, batches.shape[-1]).to(torch.int64)  # [R, steps, B]
@@ -122,12 +164,15 @@ def glm_fault(model, theta: Optional[torch.Tensor], data, rows: Optional[torch.T
         base = 5 + s * (3 * B)
         k_index = torch.where(out, base + j, torch.full_like(b3, _BIG))
         safe_b = torch.where(out, torch.zeros_like(b3), b3)
-        yb = row_bad[2 * safe_b] & ~out
-        xb = row_bad[2 * safe_b + 1] & ~out
+        yb, xb = _batch_rows_bad(model, x, y, safe_b)
+        yb &= ~out
+        xb &= ~out
         k_y = torch.where(yb, base + B + 2 * j, torch.full_like(b3, _BIG))
         k_x = torch.where(xb, base + B + 2 * j + 1, torch.full_like(b3, _BIG))
         step_key = torch.minimum(torch.minimum(k_index, k_y), k_x).view(R, -1).min(1).values
     else:
+        # faults of the rows read: per data row, 2·row + (0 label, 1 features)
+        row_bad = torch.stack([_label_bad(model, y), ~rows_finite(x)], 1).reshape(-1)  # [2N]
         # first bad data row at or after each position: a reverse running minimum
         pos = torch.arange(2 * N, device=dev)
         marked = torch.where(row_bad, pos, torch.full_like(pos, _BIG))
@@ -180,10 +225,10 @@ def sample_batches_fault(data, clients: Optional[torch.Tensor]) -> None:
 
 
 def kmeans_assign_fault(points: torch.Tensor, centroids: torch.Tensor) -> None:
-    k = _first(~torch.isfinite(centroids).all(1))
+    k = _first(~rows_finite(centroids))
     if k >= 0:
         _raise(NonFiniteError, f"centroids: row {k} holds a NaN or infinite value")
-    n = _first(~torch.isfinite(points).all(1))
+    n = _first(~rows_finite(points))
     if n >= 0:
         _raise(NonFiniteError, f"points: row {n} holds a NaN or infinite value")
 
@@ -223,13 +268,13 @@ def average_fault(theta: torch.Tensor, weights: torch.Tensor, rows: Optional[tor
     if not float(w.to(torch.float64).sum()) > 0:
         _raise(ValueError, "weights: the weights of the averaged rows sum to 0")
     th = theta if safe is None else theta[safe]
-    r = _first(~torch.isfinite(th).all(1))
+    r = _first(~rows_finite(th))
     if r >= 0:
         _raise(NonFiniteError, f"theta: row {r if safe is None else int(safe[r])} holds a NaN or infinite value")
 
 
 def finite_rows(t: torch.Tensor, name: str) -> None:
-    r = _first(~torch.isfinite(t).reshape(t.shape[0], -1).all(1)) if t.dim() else -1
+    r = _first(~rows_finite(t)) if t.dim() else -1
     if r >= 0:
         _raise(NonFiniteError, f"{name}: row {r} holds a NaN or infinite value")
 
