@@ -526,14 +526,20 @@ void local_steps_rowpath(const GlmProblem<T>& prob, const LocalStepsArgs<T>& arg
   if (has_anchor) minibatch::load_padded<T, CP>(mb.A.data(), args.anchor_shared ? args.anchor : args.anchor + r * d, P, C);
   const int64_t B = args.batches ? args.batch_size : hi - lo;
   const T scale = (args.grad_scale ? args.grad_scale[r] : T(1)) / static_cast<T>(B);
+  const int32_t* checked = nullptr;  // the last minibatch checked (and prefetched) for this row
   for (int64_t s = 0; s < args.steps; ++s) {
     if (args.batches) {
       const int32_t* batch = args.batches + (r * args.steps + s) * B;
       const auto at = [batch](int64_t t) { return static_cast<int64_t>(batch[t]); };
-      prefetch_rows(prob, batch, B, lo, hi);
-      if ((prob.check_batches && !check_batches(batch, B, lo, hi, i, r, s, false, faults)) ||
-          !check_rows(prob, at, B, r, faults))
-        return;
+      // pFedMe solves each inner problem on one minibatch repeated K times: a step on the rows
+      // of the step before needs neither their checks again nor their prefetch.
+      if (!(checked && std::equal(batch, batch + B, checked))) {
+        prefetch_rows(prob, batch, B, lo, hi);
+        if ((prob.check_batches && !check_batches(batch, B, lo, hi, i, r, s, false, faults)) ||
+            !check_rows(prob, at, B, r, faults))
+          return;
+        checked = batch;
+      }
       minibatch::gradient<T, CP>(prob.x, p, y, prob.intercept, C, at, B, mb.W.data(), mb.G.data(), mb.Z.data(), false,
                                  expf_);
     } else {
