@@ -444,3 +444,58 @@ def test_the_value_prepass_row_check_is_exact_where_row_sums_overflow(dtype):
     assert torch.equal(rows_finite(t), want) and want.tolist() == [True, False, False, False, False, True]
     assert all_finite(t[[0, 5]]) and not all_finite(t[:2]) and not all_finite(t[4:])
     assert torch.equal(rows_finite(t.view(6, 5, 1)), want) and rows_finite(t[:0]).numel() == 0
+
+
+def _twenty_row_batches():
+    """A client of 30 rows and one minibatch of 20 (three blocks of the row path: 8 + 8 + 4)."""
+    model = models.Softmax(5, 4)
+    d = make_data(model, [30, 6], torch.float32)
+    b = ops.sample_batches(d, steps=1, batch_size=20, seed=3, counter=0)
+    b[0, 0] = torch.arange(20, dtype=b.dtype)  # positions = rows
+    b[1, 0] = 30 + torch.arange(20, dtype=b.dtype) % 6
+    return model, d, b
+
+
+@pytest.mark.parametrize("op", ["local_steps", "gradients", "evaluate"])
+@pytest.mark.parametrize("faults, want", [
+    ({"x": 13, "y": 17}, r"^x: row 13 holds"),         # x in the 2nd block before a bad label in the 3rd
+    ({"y": 5, "x": 13}, r"^y: expected labels in \[0, 4\), got y\[5\] = 9$"),
+    ({"x": 18}, r"^x: row 18 holds"),                  # the short last block
+    ({"x": 0}, r"^x: row 0 holds"),
+])
+def test_features_checked_through_the_logits_report_the_first_bad_value(op, faults, want):
+    # The row path checks labels up front and a row's features through its logits (a NaN/inf
+    # feature makes them non-finite); the fault named is still the first bad value in row order.
+    model, d, b = _twenty_row_batches()
+    if "x" in faults:
+        d.x[faults["x"], 2] = float("inf") if faults["x"] % 2 else float("nan")
+    if "y" in faults:
+        d.y[faults["y"]] = 9
+    messages = []
+    for name in ("native", "reference"):
+        th = 0.1 * torch.ones(2, model.d)
+        call = {"local_steps": lambda: ops.local_steps(model, th, d, steps=2, lr=0.1, batches=b.repeat(1, 2, 1)),
+                "gradients": lambda: ops.gradients(model, th, d, batches=b[:, 0]),
+                "evaluate": lambda: ops.evaluate(model, th, d, batches=b[:, 0])}[op]
+        with backend.use(name), pytest.raises(ValueError) as info:
+            call()
+        messages.append(str(info.value))
+    assert messages[0] == messages[1] and re.search(want, messages[0]), messages
+
+
+def test_finite_features_whose_logits_overflow_are_not_a_fault():
+    # Finite x of 3e38 gives inf logits (five of them summed): the logits check must then find
+    # no bad feature and compute as the reference does, not report a fault.
+    model, d, b = _twenty_row_batches()
+    d.x[11] = 3e38
+    th = torch.ones(2, model.d)
+    got = {}
+    for name in ("native", "reference"):
+        with backend.use(name):
+            loss, correct, count = ops.evaluate(model, th, d, batches=b[:, 0])
+            got[name] = (loss, correct, count, ops.gradients(model, th, d, batches=b[:, 0]))
+    assert torch.equal(got["native"][1], got["reference"][1]) and torch.equal(got["native"][2], got["reference"][2])
+    assert not torch.isfinite(got["native"][0][0]) and not torch.isfinite(got["reference"][0][0])
+    torch.testing.assert_close(got["native"][0][1], got["reference"][0][1])
+    torch.testing.assert_close(got["native"][3][1], got["reference"][3][1])
+    assert torch.isfinite(got["native"][3][1]).all()

@@ -150,6 +150,19 @@ inline void backward_block(const T* const* x, int64_t p, bool intercept, const T
   }
 }
 
+// True when the logits of the first nb rows of a block are all finite. A NaN or inf among a
+// row's features makes every one of its logits NaN or inf (NaN·w and inf·0 are NaN), so this
+// also clears the features of the rows, at the cost of a few vector operations per row.
+template <typename T, int64_t CP>
+inline bool logits_finite(const T* __restrict__ z, int64_t nb) {
+  T acc = T(0);
+  for (int64_t q = 0; q < nb; ++q) {
+#pragma omp simd reduction(+ : acc)
+    for (int64_t c = 0; c < CP; ++c) acc += z[q * CP + c] - z[q * CP + c];
+  }
+  return acc == T(0);
+}
+
 // The rows row_at(u0 .. u0 + nb) of one block and their labels; a short block (nb < kRows)
 // repeats its last row.
 template <typename T, typename RowAt>
@@ -163,10 +176,13 @@ inline void gather_block(const T* x, int64_t p, const int64_t* y, RowAt row_at, 
 }
 
 // Gradient sum G [P, CP] (zeroed here) of the softmax loss over the B rows rows[0..B) at W;
-// returns the loss sum when `with_loss`.
+// returns the loss sum when `with_loss`. With `nonfinite` given, stops at the first block whose
+// logits are not all finite and stores its first row's position there (else -1).
 template <typename T, int64_t CP, typename RowAt, typename Exp>
 T gradient(const T* x, int64_t p, const int64_t* y, bool intercept, int64_t C, RowAt row_at, int64_t B,
-           const T* __restrict__ W, T* __restrict__ G, T* __restrict__ Z, bool with_loss, Exp exp_nonpositive) {
+           const T* __restrict__ W, T* __restrict__ G, T* __restrict__ Z, bool with_loss, Exp exp_nonpositive,
+           int64_t* nonfinite = nullptr) {
+  if (nonfinite) *nonfinite = -1;
   const int64_t P = p + (intercept ? 1 : 0);
   std::fill(G, G + P * CP, T(0));
   T loss = T(0);
@@ -177,6 +193,10 @@ T gradient(const T* x, int64_t p, const int64_t* y, bool intercept, int64_t C, R
     gather_block(x, p, y, row_at, u0, nb, rows, labels);
     T* z = Z;  // one block's logits at a time: any number of rows
     forward_block<T, CP>(rows, p, intercept, W, z);
+    if (nonfinite && !logits_finite<T, CP>(z, nb)) {
+      *nonfinite = u0;
+      return loss;
+    }
     for (int64_t q = 0; q < nb; ++q) loss += softmax_row<T, CP>(z + q * CP, C, labels[q], with_loss, exp_nonpositive);
     std::fill(z + nb * CP, z + kRows * CP, T(0));
     backward_block<T, CP>(rows, p, intercept, z, G);
@@ -185,10 +205,12 @@ T gradient(const T* x, int64_t p, const int64_t* y, bool intercept, int64_t C, R
 }
 
 // Loss sum and correctly classified rows (first maximal logit) of the n rows row_at(0..n) at W.
-// The block's four logarithms are taken in one vector call.
+// The block's four logarithms are taken in one vector call. `nonfinite`: as for gradient.
 template <typename T, int64_t CP, typename RowAt, typename Exp>
 T loss_and_hits(const T* x, int64_t p, const int64_t* y, bool intercept, int64_t C, RowAt row_at, int64_t n,
-                const T* __restrict__ W, T* __restrict__ Z, int64_t* hits, Exp exp_nonpositive) {
+                const T* __restrict__ W, T* __restrict__ Z, int64_t* hits, Exp exp_nonpositive,
+                int64_t* nonfinite = nullptr) {
+  if (nonfinite) *nonfinite = -1;
   T loss = T(0);
   int64_t good = 0;
   for (int64_t u0 = 0; u0 < n; u0 += kRows) {
@@ -197,6 +219,11 @@ T loss_and_hits(const T* x, int64_t p, const int64_t* y, bool intercept, int64_t
     int64_t labels[kRows];
     gather_block(x, p, y, row_at, u0, nb, rows, labels);
     forward_block<T, CP>(rows, p, intercept, W, Z);
+    if (nonfinite && !logits_finite<T, CP>(Z, nb)) {
+      *nonfinite = u0;
+      *hits = good;
+      return loss;
+    }
     T sums[kRows], tails[kRows];  // loss = log(sum) + tail; padding rows: log 1 + 0
     for (int q = 0; q < kRows; ++q) {
       sums[q] = T(1);
