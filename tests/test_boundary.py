@@ -456,7 +456,7 @@ def _twenty_row_batches():
     return model, d, b
 
 
-@pytest.mark.parametrize("op", ["local_steps", "gradients", "evaluate"])
+@pytest.mark.parametrize("op", ["local_steps", "local_steps_full_batch", "gradients", "evaluate"])
 @pytest.mark.parametrize("faults, want", [
     ({"x": 13, "y": 17}, r"^x: row 13 holds"),         # x in the 2nd block before a bad label in the 3rd
     ({"y": 5, "x": 13}, r"^y: expected labels in \[0, 4\), got y\[5\] = 9$"),
@@ -475,6 +475,7 @@ def test_features_checked_through_the_logits_report_the_first_bad_value(op, faul
     for name in ("native", "reference"):
         th = 0.1 * torch.ones(2, model.d)
         call = {"local_steps": lambda: ops.local_steps(model, th, d, steps=2, lr=0.1, batches=b.repeat(1, 2, 1)),
+                "local_steps_full_batch": lambda: ops.local_steps(model, th, d, steps=2, lr=0.1),
                 "gradients": lambda: ops.gradients(model, th, d, batches=b[:, 0]),
                 "evaluate": lambda: ops.evaluate(model, th, d, batches=b[:, 0])}[op]
         with backend.use(name), pytest.raises(ValueError) as info:

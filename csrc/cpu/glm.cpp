@@ -461,17 +461,9 @@ void apply_step(T* __restrict__ w, const T* __restrict__ g, const T* __restrict_
   }
 }
 
-// Checks the labels and features of the rows row_at(0..n) in order (after their indices).
-template <typename T, typename RowAt>
-bool check_rows(const GlmProblem<T>& prob, RowAt row_at, int64_t n, int64_t key, Faults& faults) {
-  for (int64_t j = 0; j < n; ++j)
-    if (!check_row<Family::Softmax, T>(prob, key, row_at(j), faults)) return false;
-  return true;
-}
-
 // The labels of the rows row_at(0..n) in order; at the first bad one, the rows before it are
 // checked whole (features too), so that the fault reported is the first bad value in row
-// order, as with check_rows. The features of rows with good labels are checked through their
+// order, as the reference reports it. The features of rows with good labels are checked through their
 // logits by checked_pass.
 template <typename T, typename RowAt>
 bool check_labels(const GlmProblem<T>& prob, RowAt row_at, int64_t n, int64_t key, Faults& faults) {
@@ -561,7 +553,7 @@ void local_steps_rowpath(const GlmProblem<T>& prob, const LocalStepsArgs<T>& arg
   T* theta_r = args.theta + r * d;
   const bool has_anchor = args.anchor != nullptr;
   const auto full = [lo](int64_t t) { return lo + t; };
-  if (!args.batches && !check_rows(prob, full, hi - lo, r, faults)) return;  // the same rows every step
+  if (!args.batches && !check_labels(prob, full, hi - lo, r, faults)) return;  // the same rows every step
   minibatch::load_padded<T, CP>(mb.W.data(), theta_r, P, C);
   if (has_anchor) minibatch::load_padded<T, CP>(mb.A.data(), args.anchor_shared ? args.anchor : args.anchor + r * d, P, C);
   const int64_t B = args.batches ? args.batch_size : hi - lo;
@@ -586,9 +578,15 @@ void local_steps_rowpath(const GlmProblem<T>& prob, const LocalStepsArgs<T>& arg
       } else {
         step(nullptr);
       }
-    } else {
-      minibatch::gradient<T, CP>(prob.x, p, y, prob.intercept, C, full, B, mb.W.data(), mb.G.data(), mb.Z.data(),
-                                 false, expf_);
+    } else {  // the client's rows, checked through the logits of the first step
+      const auto step = [&](int64_t* nonfinite) {
+        minibatch::gradient<T, CP>(prob.x, p, y, prob.intercept, C, full, B, mb.W.data(), mb.G.data(), mb.Z.data(),
+                                   false, expf_, nonfinite);
+      };
+      if (s > 0)
+        step(nullptr);
+      else if (!checked_pass(prob, full, B, r, faults, step))
+        return;
     }
     apply_step(mb.W.data(), mb.G.data(), mb.A.data(), P * CP, args.lr, scale, prob.l2, args.prox, has_anchor);
   }
