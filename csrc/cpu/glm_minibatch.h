@@ -155,11 +155,11 @@ inline void backward_block(const T* const* x, int64_t p, bool intercept, const T
 // also clears the features of the rows, at the cost of a few vector operations per row.
 template <typename T, int64_t CP>
 inline bool logits_finite(const T* __restrict__ z, int64_t nb) {
+  // One reduction over the block's rows (contiguous in z): a reduction per row would end each
+  // row with a horizontal sum.
   T acc = T(0);
-  for (int64_t q = 0; q < nb; ++q) {
 #pragma omp simd reduction(+ : acc)
-    for (int64_t c = 0; c < CP; ++c) acc += z[q * CP + c] - z[q * CP + c];
-  }
+  for (int64_t i = 0; i < nb * CP; ++i) acc += z[i] - z[i];
   return acc == T(0);
 }
 
