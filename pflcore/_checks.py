@@ -71,14 +71,24 @@ def check_contiguous(t: torch.Tensor, name: str) -> None:
                          f"call .contiguous() (numpy: np.ascontiguousarray) first")
 
 
-def check_finite(t: torch.Tensor, name: str) -> None:
-    """A full pass over ``t`` (construction-time checks only; the ops check values as they read)."""
-    # min and max propagate NaN and expose ±inf, in one pass without a [numel] bool temporary
-    # (torch.isfinite(t).all() is ~17x slower on large tensors); counting runs only on failure.
-    if not t.numel():
-        return
+def all_finite(t: torch.Tensor) -> bool:
+    """No NaN or ±inf anywhere in ``t``, without a [numel] temporary. The sum first (one fast
+    pass: it is finite only if every value is, since NaN and inf propagate and inf − inf is
+    NaN); where it is not, min and max decide exactly (they propagate NaN and expose ±inf, and a
+    finite tensor whose sum overflowed passes). ``torch.isfinite(t).all()`` is ~17x slower on
+    large tensors."""
+    if not t.is_floating_point() or not t.numel():
+        return True
+    if bool(torch.isfinite(t.sum())):
+        return True
     lo, hi = torch.aminmax(t)
-    if not (bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))):
+    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
+
+
+def check_finite(t: torch.Tensor, name: str) -> None:
+    """A full pass over ``t`` (construction-time checks only; the ops check values as they read);
+    counting runs only on failure."""
+    if not all_finite(t):
         bad = int((~torch.isfinite(t)).sum())
         raise NonFiniteError(f"{name}: contains {bad} NaN or infinite value(s)")
 

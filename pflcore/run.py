@@ -16,6 +16,7 @@ from typing import Callable, Iterable, List, Optional, Tuple
 import torch
 
 from pflcore import checkpoint as ckpt
+from pflcore._checks import all_finite
 from pflcore import distributed, ops
 from pflcore.algorithms.base import Algorithm, Context, state_tensors
 from pflcore.data.federation import Federation
@@ -113,15 +114,6 @@ def _mean_sq_error(models: torch.Tensor, truth: torch.Tensor, ctx: Context) -> f
         mine = models if models.shape[0] == 1 else models[c0:c1]
         err[c0:c1] = ((mine - truth[c0:c1].to(models)) ** 2).sum(1)
     return float(err.mean()) if not ctx.sharded else ctx.sum(float(err.double().sum())) / ctx.num_clients
-
-
-def _all_finite(t: torch.Tensor) -> bool:
-    """No NaN or ±inf in ``t``: one pass without [numel] temporaries (min and max propagate NaN
-    and expose ±inf; ``isfinite(t).all()`` allocates several copies of the state)."""
-    if not t.numel():
-        return True
-    lo, hi = torch.aminmax(t)
-    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
 
 
 def _weights_part(model, d: int) -> Optional[slice]:
@@ -267,7 +259,7 @@ def _round(algorithm: Algorithm, state, ctx: Context, t: int, saved: Optional[st
     except NonFiniteError as exc:
         raise _diverged(algorithm, t, f"an intermediate result has NaN/inf values ({exc})", saved,
                         all_ranks=not ctx.sharded) from exc
-    bad = next((name for name, tensor in state_tensors(state) if not _all_finite(tensor)), None)
+    bad = next((name for name, tensor in state_tensors(state) if not all_finite(tensor)), None)
     if ctx.comm.max(0.0 if bad is None else 1.0) > 0:
         where = f"state.{bad}" if bad is not None else f"the state of another rank (this is rank {ctx.comm.rank})"
         raise _diverged(algorithm, t, f"{where} has NaN/inf values", saved)

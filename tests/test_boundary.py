@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import make_data, make_model
-from pflcore import ClientData, backend, models, ops
+from conftest import make_data
+from pflcore import backend, models, ops
 from pflcore.errors import NonFiniteError
 
 PRELUDE = """
@@ -432,7 +432,8 @@ def test_counts_are_bounded_where_the_kernels_count_in_int64():
 def test_the_value_prepass_row_check_is_exact_where_row_sums_overflow(dtype):
     # The torch pre-pass checks a row's sum first (one fast pass); a sum that overflows must not
     # flag a finite row, and NaN, inf, -inf and inf - inf rows must all be flagged.
-    from pflcore.backends._values import all_finite, rows_finite
+    from pflcore._checks import all_finite
+    from pflcore.backends._values import rows_finite
     big = torch.finfo(dtype).max
     t = torch.zeros(6, 5, dtype=dtype)
     t[0] = big  # finite, sum overflows

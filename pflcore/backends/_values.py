@@ -19,6 +19,7 @@ from typing import Optional
 
 import torch
 
+from pflcore._checks import all_finite
 from pflcore.errors import NonFiniteError
 
 _BIG = 1 << 62
@@ -55,13 +56,6 @@ def rows_finite(t: torch.Tensor) -> torch.Tensor:
         bad = torch.nonzero(~ok).view(-1)
         ok[bad] = torch.isfinite(t.index_select(0, bad)).all(1)
     return ok
-
-
-def all_finite(t: torch.Tensor) -> bool:
-    """No NaN or inf anywhere in ``t`` (its sum first, as rows_finite)."""
-    if not t.is_floating_point() or t.numel() == 0:
-        return True
-    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
 
 
 def _label_bad(model, y: torch.Tensor) -> torch.Tensor:
