@@ -44,6 +44,18 @@ from pflcore import ops
 from pflcore.algorithms.base import Algorithm, Context, count_int, per_client, positive
 
 
+def best_of_restarts(kmeans, points, k: int, weights, seed: int, restarts: int, iters: int) -> ops.KMeans:
+    """The best (lowest inertia) of ``restarts`` k-means++ runs of ``kmeans`` (``ops.kmeans`` or a
+    context's), with CGPFL's seeds: run j of round seed s uses (s·1000003 + 7919·j) mod 2^31."""
+    best = None
+    for j in range(restarts):
+        km = kmeans(points, k, init="k-means++", iters=iters, weights=weights,
+                    seed=(seed * 1_000_003 + 7919 * j) & 0x7FFFFFFF)
+        if best is None or km.inertia < best.inertia:
+            best = km
+    return best
+
+
 @dataclass
 class CGPFLState:
     contexts: torch.Tensor      # [K, d] context models Ω
@@ -111,14 +123,7 @@ class CGPFL(Algorithm):
 
     def _seeded_kmeans(self, ctx: Context, points: torch.Tensor, k: int, weights: torch.Tensor,
                        seed: int) -> ops.KMeans:
-        """The best (lowest inertia) of ``restarts`` k-means++ runs."""
-        best = None
-        for j in range(self.restarts):
-            km = ctx.kmeans(points, k, init="k-means++", iters=self.kmeans_iters, weights=weights,
-                            seed=(seed * 1_000_003 + 7919 * j) & 0x7FFFFFFF)
-            if best is None or km.inertia < best.inertia:
-                best = km
-        return best
+        return best_of_restarts(ctx.kmeans, points, k, weights, seed, self.restarts, self.kmeans_iters)
 
     def _choose_contexts(self, state: CGPFLState, ctx: Context, theta, weights, t: int) -> int:
         return state.contexts.shape[0]

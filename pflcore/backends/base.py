@@ -90,3 +90,14 @@ def evaluation_outputs(R: int, dtype, device):
 
     return (torch.empty(R, dtype=dtype, device=device), torch.empty(R, dtype=torch.int64, device=device),
             torch.empty(R, dtype=torch.int64, device=device))
+
+
+def label_segments(labels, K: int):
+    """(order [N], seg [K + 1]): the points sorted stably by label, and where each cluster's run
+    starts in that order; the input of a segmented k-means update kernel."""
+    import torch
+
+    order = torch.sort(labels, stable=True).indices
+    seg = torch.zeros(K + 1, dtype=torch.int64, device=labels.device)
+    seg[1:] = torch.cumsum(torch.bincount(labels, minlength=K), 0)
+    return order, seg

@@ -18,7 +18,7 @@ from typing import Callable, List, Optional
 import torch
 
 from pflcore.backends import _values
-from pflcore.backends.base import Adapter, evaluation_outputs
+from pflcore.backends.base import Adapter, evaluation_outputs, label_segments
 from pflcore.backends.reference import ReferenceAdapter
 from pflcore.errors import CudaKernelError
 
@@ -218,9 +218,7 @@ class CudaAdapter(Adapter):
         K = centroids.shape[0]
         _values.kmeans_update_fault(labels, weights, K)
         wsum = torch.empty(K, dtype=torch.float64, device=points.device)
-        order = torch.sort(labels, stable=True).indices
-        seg = torch.zeros(K + 1, dtype=torch.int64, device=labels.device)
-        seg[1:] = torch.cumsum(torch.bincount(labels, minlength=K), 0)
+        order, seg = label_segments(labels, K)
         dev, dt = points.device, points.dtype
         with torch.cuda.device(dev):
             launch("kmeans_update", self.module.kmeans_update, ptr(points, "points", dev, dt),

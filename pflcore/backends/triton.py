@@ -10,7 +10,7 @@ from typing import List
 import torch
 
 from pflcore.backends import _values
-from pflcore.backends.base import Adapter, evaluation_outputs
+from pflcore.backends.base import Adapter, evaluation_outputs, label_segments
 from pflcore.backends.reference import ReferenceAdapter
 
 
@@ -85,9 +85,7 @@ class TritonAdapter(Adapter):
         K = centroids.shape[0]
         _values.kmeans_update_fault(labels, weights, K)
         wsum = torch.empty(K, dtype=torch.float64, device=points.device)
-        order = torch.sort(labels, stable=True).indices
-        seg = torch.zeros(K + 1, dtype=torch.int64, device=labels.device)
-        seg[1:] = torch.cumsum(torch.bincount(labels, minlength=K), 0)
+        order, seg = label_segments(labels, K)
         self.module.kmeans_update(points, order, seg, weights, centroids, wsum)
         return wsum
 

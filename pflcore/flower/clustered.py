@@ -44,7 +44,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
 from pflcore import ops
-from pflcore.algorithms.cgpfl import generalization_term
+from pflcore.algorithms.cgpfl import best_of_restarts, generalization_term
 from pflcore.flower.params import Layout, flatten, layout_of, stack, to_record
 
 
@@ -180,13 +180,7 @@ class ClusteredStrategy(FedAvg):
 
     def _seeded_kmeans(self, points: np.ndarray, k: int, weights: np.ndarray, seed: int) -> ops.KMeans:
         """The lowest-inertia of ``restarts`` k-means++ runs (the seeds CGPFL uses)."""
-        best = None
-        for j in range(self.restarts):
-            km = ops.kmeans(points, k, init="k-means++", iters=self.kmeans_iters, weights=weights,
-                            seed=(seed * 1_000_003 + 7919 * j) & 0x7FFFFFFF)
-            if best is None or km.inertia < best.inertia:
-                best = km
-        return best
+        return best_of_restarts(ops.kmeans, points, k, weights, seed, self.restarts, self.kmeans_iters)
 
     def choose_contexts(self, points: np.ndarray, weights: np.ndarray) -> int:
         """CGPFL-Heur's K for ``points [S, D]`` with sample counts ``weights [S]``; sets ``e_values``."""

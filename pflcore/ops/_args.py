@@ -182,6 +182,17 @@ def vector_arg(value, name: str, like: torch.Tensor, length: int) -> Optional[to
     return t if t.is_contiguous() else t.contiguous()
 
 
+def shared_theta_args(model, theta, data, rows, batches):
+    """(theta [R, d] or [d], its kind, rows, batches [R, B]) for the ops that read parameters
+    without writing them and accept one model [d] for every row (gradients, evaluate)."""
+    check_model(model)
+    x, N, m = check_data(model, data)
+    rows_t = rows_arg(rows, x)
+    theta_t, kind = theta_arg(theta, model, x, m, rows_t, inplace=False, shared=True)
+    R = (m if rows_t is None else rows_t.numel()) if theta_t.dim() == 1 else theta_t.shape[0]
+    return theta_t, kind, rows_t, batches_arg(batches, x, R, None)
+
+
 def apart_from(out: torch.Tensor, data: ClientData, *inputs):
     """``(data, *inputs)``, where any array that shares memory with the in-place output ``out`` is
     replaced by a copy: the op then reads the values it had when the op was called, whatever
@@ -212,4 +223,4 @@ def _overlap(t: torch.Tensor, lo: int, hi: int) -> bool:
 
 
 __all__ = ["IN_ALGORITHM", "inside", "refuse_inside_algorithm", "TORCH", "apart_from", "batches_arg", "check_data", "check_model", "rows_arg", "same_device",
-           "theta_arg", "vector_arg"]
+           "shared_theta_args", "theta_arg", "vector_arg"]

@@ -9,8 +9,7 @@ from torch.compiler import is_dynamo_compiling, is_exporting
 from pflcore import backend
 from pflcore._arrays import from_tensor
 from pflcore.ops import _compile
-from pflcore.ops._args import (IN_ALGORITHM, batches_arg, check_data, check_model, refuse_inside_algorithm, rows_arg,
-                               theta_arg)
+from pflcore.ops._args import IN_ALGORITHM, refuse_inside_algorithm, shared_theta_args
 
 
 def evaluate(model, theta, data, *, rows=None, batches=None):
@@ -28,12 +27,7 @@ def evaluate(model, theta, data, *, rows=None, batches=None):
 
 def run_evaluate(model, theta, data, rows, batches=None, trusted: bool = False):
     """``evaluate`` without the algorithm guard (the context's, and the round loop's metrics)."""
-    check_model(model)
-    x, N, m = check_data(model, data)
-    rows_t = rows_arg(rows, x)
-    theta_t, kind = theta_arg(theta, model, x, m, rows_t, inplace=False, shared=True)
-    R = (m if rows_t is None else rows_t.numel()) if theta_t.dim() == 1 else theta_t.shape[0]
-    batches_t = batches_arg(batches, x, R, None)
+    theta_t, kind, rows_t, batches_t = shared_theta_args(model, theta, data, rows, batches)
     out = backend.select("evaluate", model, theta_t).evaluate(model, theta_t, data, rows_t, batches_t, trusted)
     return tuple(from_tensor(t, kind) for t in out)
 

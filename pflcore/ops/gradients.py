@@ -8,8 +8,7 @@ from torch.compiler import is_dynamo_compiling, is_exporting
 from pflcore import backend
 from pflcore._arrays import from_tensor
 from pflcore.ops import _compile
-from pflcore.ops._args import (IN_ALGORITHM, batches_arg, check_data, check_model, refuse_inside_algorithm, rows_arg,
-                               theta_arg)
+from pflcore.ops._args import IN_ALGORITHM, refuse_inside_algorithm, shared_theta_args
 
 
 def gradients(model, theta, data, *, rows=None, batches=None):
@@ -27,12 +26,7 @@ def gradients(model, theta, data, *, rows=None, batches=None):
 
 def run_gradients(model, theta, data, rows, batches, trusted: bool):
     """``gradients`` without the algorithm guard (``Context``)."""
-    check_model(model)
-    x, N, m = check_data(model, data)
-    rows_t = rows_arg(rows, x)
-    theta_t, kind = theta_arg(theta, model, x, m, rows_t, inplace=False, shared=True)
-    R = (m if rows_t is None else rows_t.numel()) if theta_t.dim() == 1 else theta_t.shape[0]
-    batches_t = batches_arg(batches, x, R, None)
+    theta_t, kind, rows_t, batches_t = shared_theta_args(model, theta, data, rows, batches)
     out = backend.select("gradients", model, theta_t).gradients(model, theta_t, data, rows_t, batches_t, trusted)
     return from_tensor(out, kind)
 
