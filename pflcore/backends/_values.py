@@ -112,7 +112,7 @@ def _batch_rows_bad(model, x: torch.Tensor, y: torch.Tensor, rows: torch.Tensor)
         x_bad = ~rows_finite(x)
         return _label_bad(model, y)[rows], x_bad[rows]
     x_bad = torch.empty(flat.shape, dtype=torch.bool, device=x.device)
-    step = max(1, _GATHER_VALUES // max(1, x[0].numel() if N else 1))
+    step = max(1, _GATHER_VALUES // max(1, x[0].numel()))  # N > 0 here: fewer rows read than N
     for a in range(0, flat.numel(), step):
         x_bad[a:a + step] = ~rows_finite(x.index_select(0, flat[a:a + step]))
     return _label_bad(model, y.index_select(0, flat)).view(rows.shape), x_bad.view(rows.shape)
