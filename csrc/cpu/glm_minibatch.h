@@ -21,6 +21,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "glm_minibatch_avx512.h"
+
 namespace pflcore::cpu::minibatch {
 
 // Rows per block: each load of W[k, :] serves kRows rows, and kRows·CP accumulators keep both
@@ -35,6 +37,16 @@ constexpr int64_t lanes() {
 template <typename T>
 inline int64_t padded_classes(int64_t C) {
   return (C + lanes<T>() - 1) / lanes<T>() * lanes<T>();
+}
+
+// True where glm_minibatch_avx512.h serves the row path: float with 16 padded classes.
+template <typename T, int64_t CP>
+constexpr bool on_avx512() {
+#ifdef PFLCORE_ROWPATH_AVX512
+  return std::is_same_v<T, float> && CP == 16;
+#else
+  return false;
+#endif
 }
 
 // Per-thread buffers of the path (kept between calls, grown on demand).
@@ -60,6 +72,9 @@ struct Buffers {
 // and a library call per row costs more than the copy.)
 template <typename T, int64_t CP>
 inline void load_padded(T* __restrict__ dst, const T* __restrict__ src, int64_t P, int64_t C) {
+#ifdef PFLCORE_ROWPATH_AVX512
+  if constexpr (on_avx512<T, CP>()) return avx512::load_padded(dst, src, P, C);
+#endif
   for (int64_t k = 0; k < P; ++k) {
     T* __restrict__ d = dst + k * CP;
     const T* __restrict__ s = src + k * C;
@@ -70,6 +85,9 @@ inline void load_padded(T* __restrict__ dst, const T* __restrict__ src, int64_t 
 
 template <typename T, int64_t CP>
 inline void store_unpadded(T* __restrict__ dst, const T* __restrict__ src, int64_t P, int64_t C) {
+#ifdef PFLCORE_ROWPATH_AVX512
+  if constexpr (on_avx512<T, CP>()) return avx512::store_unpadded(dst, src, P, C);
+#endif
   for (int64_t k = 0; k < P; ++k) {
     T* __restrict__ d = dst + k * C;
     const T* __restrict__ s = src + k * CP;
@@ -182,6 +200,9 @@ template <typename T, int64_t CP, typename RowAt, typename Exp>
 T gradient(const T* x, int64_t p, const int64_t* y, bool intercept, int64_t C, RowAt row_at, int64_t B,
            const T* __restrict__ W, T* __restrict__ G, T* __restrict__ Z, bool with_loss, Exp exp_nonpositive,
            int64_t* nonfinite = nullptr) {
+#ifdef PFLCORE_ROWPATH_AVX512
+  if constexpr (on_avx512<T, CP>()) return avx512::gradient(x, p, y, intercept, C, row_at, B, W, G, with_loss, nonfinite);
+#endif
   if (nonfinite) *nonfinite = -1;
   const int64_t P = p + (intercept ? 1 : 0);
   std::fill(G, G + P * CP, T(0));
@@ -210,6 +231,9 @@ template <typename T, int64_t CP, typename RowAt, typename Exp>
 T loss_and_hits(const T* x, int64_t p, const int64_t* y, bool intercept, int64_t C, RowAt row_at, int64_t n,
                 const T* __restrict__ W, T* __restrict__ Z, int64_t* hits, Exp exp_nonpositive,
                 int64_t* nonfinite = nullptr) {
+#ifdef PFLCORE_ROWPATH_AVX512
+  if constexpr (on_avx512<T, CP>()) return avx512::loss_and_hits(x, p, y, intercept, C, row_at, n, W, hits, nonfinite);
+#endif
   if (nonfinite) *nonfinite = -1;
   T loss = T(0);
   int64_t good = 0;

@@ -1,0 +1,272 @@
+// The row path for float softmax with at most 16 classes (the papers' setting: C = 10), written
+// with AVX-512 intrinsics (included by glm_minibatch.h; the portable templates there serve
+// every other case and every machine without AVX-512).
+//
+// A block of NR rows (8, then 4, 2, 1 for the tail: B = 20 runs as 8 + 8 + 4, no padding rows)
+// keeps its NR logit rows in registers from the forward to the backward:
+//
+//   z_q  = b + Σ_k x_q[k] · W[k, :]          one 16-lane register per row; each load of W[k, :]
+//                                           serves the NR rows (a broadcast operand per FMA)
+//   dz_q = softmax(z_q) − e_{y_q}            max and sum by a shuffle tree, inside the register
+//   G[k, :] += Σ_q x_q[k] · dz_q             rows in batch order, then the next block
+//
+// Why: the portable code runs on 256-bit registers (GCC's default width for -march=native),
+// sums each row's softmax lane by lane (an in-order reduction: 8 dependent adds per row) and
+// passes the logits through memory. Here every step of a row is a full-width vector operation
+// and nothing leaves the registers between the forward and the backward.
+//
+// Sums run in a fixed order (blocks in batch order, a fixed tree inside a row), so results do
+// not depend on the thread count. They differ in the last bits from the portable code's.
+#pragma once
+
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+
+#define PFLCORE_ROWPATH_AVX512 1
+
+namespace pflcore::cpu::minibatch::avx512 {
+
+#define PFLCORE_ALWAYS_INLINE inline __attribute__((always_inline))
+
+// e^x for x <= 0: the polynomial of glm.cpp's exp_nonpositive, 16 lanes at a time.
+PFLCORE_ALWAYS_INLINE __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 shifter = _mm512_set1_ps(12582912.0f);  // 1.5·2^23: rounds to an integer
+  const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), shifter), shifter);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // x − n·ln2, ln2 in two parts
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 q = _mm512_set1_ps(1.0f / 5040.0f);
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f / 720.0f));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f / 120.0f));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f / 24.0f));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f / 6.0f));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(0.5f));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(q, _mm512_castsi512_ps(bits));
+}
+
+// log x for finite x >= 1 (a softmax denominator), 16 lanes at a time: x = m·2^e with m in
+// [√½, √2), log x = e·ln2 + log m, log(1 + f) = f − f²/2 + f³·poly(f) (the classic minimax
+// polynomial for float; within ~1 ulp of logf on [1, 2^16]). log 1 is exactly 0.
+PFLCORE_ALWAYS_INLINE __m512 log_at_least_one(__m512 x) {
+  __m512 e = _mm512_getexp_ps(x);                                     // floor(log2 x)
+  __m512 m = _mm512_getmant_ps(x, _MM_MANT_NORM_1_2, _MM_MANT_SIGN_src);  // [1, 2)
+  const __mmask16 high = _mm512_cmp_ps_mask(m, _mm512_set1_ps(1.41421356237f), _CMP_GT_OQ);
+  m = _mm512_mask_mul_ps(m, high, m, _mm512_set1_ps(0.5f));
+  e = _mm512_mask_add_ps(e, high, e, _mm512_set1_ps(1.0f));
+  const __m512 f = _mm512_sub_ps(m, _mm512_set1_ps(1.0f));
+  const __m512 f2 = _mm512_mul_ps(f, f);
+  __m512 y = _mm512_set1_ps(7.0376836292e-2f);
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(-1.1514610310e-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.1676998740e-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(-1.2420140846e-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.4249322787e-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(-1.6668057665e-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.0000714765e-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(-2.4999993993e-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(3.3333331174e-1f));
+  y = _mm512_mul_ps(_mm512_mul_ps(y, f), f2);
+  y = _mm512_fmadd_ps(e, _mm512_set1_ps(-2.12194440e-4f), y);
+  y = _mm512_fnmadd_ps(_mm512_set1_ps(0.5f), f2, y);
+  return _mm512_fmadd_ps(e, _mm512_set1_ps(0.693359375f), _mm512_add_ps(f, y));
+}
+
+// Every lane <- the max (the sum) of the 16 lanes, by a fixed tree of shuffles.
+PFLCORE_ALWAYS_INLINE __m512 all_max(__m512 v) {
+  v = _mm512_max_ps(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(1, 0, 3, 2)));
+  v = _mm512_max_ps(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(2, 3, 0, 1)));
+  v = _mm512_max_ps(v, _mm512_permute_ps(v, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm512_max_ps(v, _mm512_permute_ps(v, _MM_SHUFFLE(2, 3, 0, 1)));
+}
+PFLCORE_ALWAYS_INLINE __m512 all_sum(__m512 v) {
+  v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(1, 0, 3, 2)));
+  v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(2, 3, 0, 1)));
+  v = _mm512_add_ps(v, _mm512_permute_ps(v, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm512_add_ps(v, _mm512_permute_ps(v, _MM_SHUFFLE(2, 3, 0, 1)));
+}
+
+// One block's rows: x rows [NR] of p features, their labels, the first row's batch position.
+template <int NR>
+struct Block {
+  const float* row[NR];
+  int64_t label[NR];
+};
+
+template <int NR, typename RowAt>
+PFLCORE_ALWAYS_INLINE void gather(const float* x, int64_t p, const int64_t* y, RowAt row_at, int64_t u0,
+                                  Block<NR>& b) {
+  for (int q = 0; q < NR; ++q) {
+    const int64_t r = row_at(u0 + q);
+    b.row[q] = x + r * p;
+    b.label[q] = y[r];
+  }
+}
+
+// z[q] = b + x_q W for the block's rows (W [p(+1), 16], the intercept in row p).
+template <int NR>
+PFLCORE_ALWAYS_INLINE void forward(const Block<NR>& b, int64_t p, bool intercept, const float* __restrict__ W,
+                                   __m512 (&z)[NR]) {
+  const __m512 bias = intercept ? _mm512_loadu_ps(W + p * 16) : _mm512_setzero_ps();
+  for (int q = 0; q < NR; ++q) z[q] = bias;
+  for (int64_t k = 0; k < p; ++k) {
+    const __m512 w = _mm512_loadu_ps(W + k * 16);
+    for (int q = 0; q < NR; ++q) z[q] = _mm512_fmadd_ps(_mm512_set1_ps(b.row[q][k]), w, z[q]);
+  }
+}
+
+// A NaN or inf among a row's features makes every one of its logits NaN or inf (NaN·w and
+// inf·0 are NaN), so finite logits also clear the block's features.
+template <int NR>
+PFLCORE_ALWAYS_INLINE bool all_finite(const __m512 (&z)[NR]) {
+  __mmask16 bad = 0;
+  for (int q = 0; q < NR; ++q) bad |= _mm512_fpclass_ps_mask(z[q], 0x99);  // QNaN, SNaN, ±inf
+  return bad == 0;
+}
+
+// G[k, :] (=, first block; += after) Σ_q x_q[k] · dz[q], and the intercept row Σ_q dz[q].
+template <int NR>
+PFLCORE_ALWAYS_INLINE void backward(const Block<NR>& b, int64_t p, bool intercept, const __m512 (&dz)[NR],
+                                    bool first, float* __restrict__ G) {
+  for (int64_t k = 0; k < p; ++k) {
+    __m512 g = first ? _mm512_setzero_ps() : _mm512_loadu_ps(G + k * 16);
+    for (int q = 0; q < NR; ++q) g = _mm512_fmadd_ps(_mm512_set1_ps(b.row[q][k]), dz[q], g);
+    _mm512_storeu_ps(G + k * 16, g);
+  }
+  if (intercept) {
+    __m512 g = first ? _mm512_setzero_ps() : _mm512_loadu_ps(G + p * 16);
+    for (int q = 0; q < NR; ++q) g = _mm512_add_ps(g, dz[q]);
+    _mm512_storeu_ps(G + p * 16, g);
+  }
+}
+
+// Runs block(NR, u0) over positions 0..n in blocks of 8, then 4, 2, 1; stops (false) when a
+// block does.
+template <typename Fn>
+PFLCORE_ALWAYS_INLINE bool for_blocks(int64_t n, Fn block) {
+  int64_t u0 = 0;
+  for (; u0 + 8 <= n; u0 += 8)
+    if (!block(std::integral_constant<int, 8>{}, u0)) return false;
+  if (u0 + 4 <= n) {
+    if (!block(std::integral_constant<int, 4>{}, u0)) return false;
+    u0 += 4;
+  }
+  if (u0 + 2 <= n) {
+    if (!block(std::integral_constant<int, 2>{}, u0)) return false;
+    u0 += 2;
+  }
+  if (u0 < n && !block(std::integral_constant<int, 1>{}, u0)) return false;
+  return true;
+}
+
+// minibatch::gradient for float and 16 padded classes (same contract).
+template <typename RowAt>
+float gradient(const float* x, int64_t p, const int64_t* y, bool intercept, int64_t C, RowAt row_at, int64_t B,
+               const float* __restrict__ W, float* __restrict__ G, bool with_loss, int64_t* nonfinite) {
+  if (nonfinite) *nonfinite = -1;
+  const int64_t P = p + (intercept ? 1 : 0);
+  if (B <= 0) {
+    for (int64_t i = 0; i < P * 16; ++i) G[i] = 0.0f;
+    return 0.0f;
+  }
+  const __mmask16 classes = static_cast<__mmask16>((1u << C) - 1u);
+  const __m512 minus_inf = _mm512_set1_ps(-INFINITY), one = _mm512_set1_ps(1.0f);
+  float loss = 0.0f;
+  bool first = true;
+  for_blocks(B, [&](auto nr, int64_t u0) {
+    constexpr int NR = decltype(nr)::value;
+    Block<NR> b;
+    gather(x, p, y, row_at, u0, b);
+    __m512 z[NR];
+    forward(b, p, intercept, W, z);
+    if (nonfinite && !all_finite(z)) {
+      *nonfinite = u0;
+      return false;
+    }
+    for (int q = 0; q < NR; ++q) {
+      const __m512 m = all_max(_mm512_mask_mov_ps(minus_inf, classes, z[q]));
+      const __m512 e = _mm512_maskz_mov_ps(classes, exp_nonpositive(_mm512_maskz_sub_ps(classes, z[q], m)));
+      const __m512 s = all_sum(e);
+      if (with_loss) {
+        const float zy = _mm512_cvtss_f32(_mm512_permutexvar_ps(_mm512_set1_epi32(static_cast<int>(b.label[q])), z[q]));
+        loss += std::log(_mm512_cvtss_f32(s)) + _mm512_cvtss_f32(m) - zy;
+      }
+      const __m512 dz = _mm512_mul_ps(e, _mm512_div_ps(one, s));
+      z[q] = _mm512_mask_sub_ps(dz, static_cast<__mmask16>(1u << b.label[q]), dz, one);
+    }
+    backward(b, p, intercept, z, first, G);
+    first = false;
+    return true;
+  });
+  return loss;
+}
+
+// minibatch::loss_and_hits for float and 16 padded classes (same contract). The loss terms
+// collect in 16 lanes (row t in lane t mod 16) and are summed by a fixed tree at the end.
+template <typename RowAt>
+float loss_and_hits(const float* x, int64_t p, const int64_t* y, bool intercept, int64_t C, RowAt row_at, int64_t n,
+                    const float* __restrict__ W, int64_t* hits, int64_t* nonfinite) {
+  if (nonfinite) *nonfinite = -1;
+  const __mmask16 classes = static_cast<__mmask16>((1u << C) - 1u);
+  const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
+  alignas(64) float sums[16], tails[16];  // a row's loss = log(sum) + tail
+  int filled = 0;
+  __m512 loss = _mm512_setzero_ps();
+  const auto flush = [&] {
+    for (int i = filled; i < 16; ++i) {  // log 1 + 0 = 0 exactly
+      sums[i] = 1.0f;
+      tails[i] = 0.0f;
+    }
+    loss = _mm512_add_ps(loss, _mm512_add_ps(log_at_least_one(_mm512_load_ps(sums)), _mm512_load_ps(tails)));
+    filled = 0;
+  };
+  int64_t good = 0;
+  const bool finished = for_blocks(n, [&](auto nr, int64_t u0) {
+    constexpr int NR = decltype(nr)::value;
+    Block<NR> b;
+    gather(x, p, y, row_at, u0, b);
+    __m512 z[NR];
+    forward(b, p, intercept, W, z);
+    if (nonfinite && !all_finite(z)) {
+      *nonfinite = u0;
+      return false;
+    }
+    for (int q = 0; q < NR; ++q) {
+      const __m512 m = all_max(_mm512_mask_mov_ps(minus_inf, classes, z[q]));
+      const unsigned at_max = _mm512_mask_cmp_ps_mask(classes, z[q], m, _CMP_EQ_OQ);
+      const int64_t best = __builtin_ctz(at_max);  // the first maximal logit
+      good += best == b.label[q] ? 1 : 0;
+      const __m512 e = _mm512_maskz_mov_ps(classes, exp_nonpositive(_mm512_maskz_sub_ps(classes, z[q], m)));
+      const float zy = _mm512_cvtss_f32(_mm512_permutexvar_ps(_mm512_set1_epi32(static_cast<int>(b.label[q])), z[q]));
+      sums[filled] = _mm512_cvtss_f32(all_sum(e));
+      tails[filled] = _mm512_cvtss_f32(m) - zy;
+      if (++filled == 16) flush();
+    }
+    return true;
+  });
+  *hits = good;
+  if (filled) flush();
+  const float total = _mm512_cvtss_f32(all_sum(loss));
+  (void)finished;
+  return total;
+}
+
+// dst [P, 16] <- src [P, C], zero padding; and back.
+inline void load_padded(float* __restrict__ dst, const float* __restrict__ src, int64_t P, int64_t C) {
+  const __mmask16 classes = static_cast<__mmask16>((1u << C) - 1u);
+  for (int64_t k = 0; k < P; ++k) _mm512_storeu_ps(dst + k * 16, _mm512_maskz_loadu_ps(classes, src + k * C));
+}
+inline void store_unpadded(float* __restrict__ dst, const float* __restrict__ src, int64_t P, int64_t C) {
+  const __mmask16 classes = static_cast<__mmask16>((1u << C) - 1u);
+  for (int64_t k = 0; k < P; ++k) _mm512_mask_storeu_ps(dst + k * C, classes, _mm512_loadu_ps(src + k * 16));
+}
+
+#undef PFLCORE_ALWAYS_INLINE
+
+}  // namespace pflcore::cpu::minibatch::avx512
+
+#endif
