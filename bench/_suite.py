@@ -118,9 +118,9 @@ def models(size: str, device: str = "cpu") -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def batches(size: str, device: str = "cpu", steps: int = 1) -> torch.Tensor:
+def batches(size: str, device: str = "cpu", steps: int = 1, batch_size: int = BATCH) -> torch.Tensor:
     """``int32 [m, steps, B]`` minibatch rows drawn with replacement (pflcore's sampler)."""
-    return ops.sample_batches_ref(clients(size), steps=steps, batch_size=BATCH, seed=0, counter=0).to(device)
+    return ops.sample_batches_ref(clients(size), steps=steps, batch_size=batch_size, seed=0, counter=0).to(device)
 
 
 _EXPECTED: Dict = {}

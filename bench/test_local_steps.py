@@ -1,7 +1,7 @@
 """``local_steps``: pflcore's backends vs the per-client PyTorch loop (autograd + torch.optim.SGD).
 
-Groups: 1 client / 1,000 / 10,000 clients x 1 step of a minibatch of 20 rows (lr 0.05), and
-1,000 clients x 5 full-batch steps with a prox term toward a shared anchor (about 350 rows per
+Groups: 1 client / 1,000 / 10,000 clients x 1 step of a minibatch of 20 rows (lr 0.05), 1,000
+clients x 1 step of B = 64, and 1,000 clients x 5 full-batch steps with a prox term toward a shared anchor (about 350 rows per
 client: the full-batch workload pflcore's earlier kernel figures came from). Agreement: every
 implementation's θ against ``local_steps_ref`` (max |Δθ| <= 1e-5, float32; the steps move θ by
 ~1e-2; at 10,000 clients on every 10th client).
@@ -59,6 +59,15 @@ def test_local_steps_minibatch(benchmark, size, impl):
     kw = dict(steps=1, lr=LR, batches=b)
     flops = 4 * (P + 1) * C * b.numel()
     _case(size, impl, data, theta0, kw, flops, f"1 step, B={BATCH}", benchmark)
+
+
+@pytest.mark.parametrize("impl", impls("torch_sgd"))
+def test_local_steps_minibatch_b64(benchmark, impl):
+    """The larger minibatch of the kernel figures (DESIGN.md §4): 1,000 clients x 1 step of B = 64."""
+    data, theta0, b = clients("1k"), models("1k"), batches("1k", batch_size=64)
+    kw = dict(steps=1, lr=LR, batches=b)
+    flops = 4 * (P + 1) * C * b.numel()
+    _case("1k-b64", impl, data, theta0, kw, flops, "1,000 clients, 1 step, B=64", benchmark)
 
 
 @cached

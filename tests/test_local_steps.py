@@ -207,3 +207,27 @@ def test_minibatch_gradients_match_reference(family, p, C, dtype):
     every = torch.arange(lo, hi, dtype=torch.int32)[None]
     torch.testing.assert_close(ops.gradients(model, theta[:1], data, rows=rows[:1], batches=every), full,
                                **TOL[dtype])
+
+
+# The float softmax kernel for C <= 16 classes (glm_minibatch_avx512.h where the CPU has AVX-512)
+# splits a pass into blocks of 8, 4, 2 and 1 rows, transposes the logits of 8- and 4-row blocks
+# for the softmax, and masks the classes past C: every batch size up to two blocks and a tail,
+# and class counts at the edges of the mask, against the reference.
+@pytest.mark.parametrize("C", [2, 3, 10, 16, 17])
+def test_softmax_blocks_and_class_masks_match_reference(C):
+    model = make_model("softmax", 13, C, l2=0.05)
+    data = make_data(model, [40, 23, 31], torch.float32, seed=11)
+    g = torch.Generator().manual_seed(5)
+    for B in list(range(1, 18)) + [20, 23, 64]:
+        theta = 0.3 * torch.randn(3, model.d, generator=g)
+        b = ops.sample_batches(data, steps=2, batch_size=B, seed=B, counter=0)
+        got = ops.local_steps(model, theta.clone(), data, steps=2, lr=0.2, batches=b)
+        want = ops.local_steps_ref(model, theta.clone(), data, steps=2, lr=0.2, batches=b)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"B={B}: {m}")
+        one = b[:, 0]
+        torch.testing.assert_close(ops.gradients(model, theta, data, batches=one),
+                                   ops.gradients_ref(model, theta, data, batches=one), rtol=1e-5, atol=1e-5)
+        theta[0] = 0.0  # every logit equal for client 0: the first class is the prediction
+        got_e, want_e = ops.evaluate(model, theta, data, batches=one), ops.evaluate_ref(model, theta, data, batches=one)
+        torch.testing.assert_close(got_e[0], want_e[0], rtol=1e-5, atol=1e-5)
+        assert torch.equal(got_e[1], want_e[1]), f"B={B}: correct counts {got_e[1]} vs {want_e[1]}"

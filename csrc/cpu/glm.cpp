@@ -452,6 +452,12 @@ bool shared_theta_finite(const T* theta, int64_t theta_stride, int64_t d, Faults
 template <typename T>
 void apply_step(T* __restrict__ w, const T* __restrict__ g, const T* __restrict__ a, int64_t n,
                 T lr, T scale, T l2, T prox, bool has_anchor) {
+#ifdef PFLCORE_ROWPATH_AVX512
+  if constexpr (std::is_same_v<T, float>) {  // full-width registers (GCC's loops here use half)
+    minibatch::avx512::apply_step(w, g, has_anchor ? a : nullptr, n, lr, scale, l2, prox);
+    return;
+  }
+#endif
   if (has_anchor) {
 #pragma omp simd
     for (int64_t k = 0; k < n; ++k) w[k] -= lr * (scale * g[k] + l2 * w[k] + prox * (w[k] - a[k]));

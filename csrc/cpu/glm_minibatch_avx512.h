@@ -144,6 +144,134 @@ PFLCORE_ALWAYS_INLINE void backward(const Block<NR>& b, int64_t p, bool intercep
   }
 }
 
+// dz = softmax(z) − e_y for a block of 8 (or 4) rows, in place, with lanes along rows: the rows'
+// logits are transposed within 128-bit lanes (two 4x4 transposes per lane), so that register j of
+// a group of 4 rows holds classes j, 4+j, 8+j, 12+j of those rows. Max, exp and sum then take
+// plain vertical operations over 4 registers and two cross-lane steps, where the row form pays a
+// shuffle tree per row for each of max and sum; 8 rows cost about 240 vector operations, not 330.
+PFLCORE_ALWAYS_INLINE void transpose_4x4_lanes(__m512& a, __m512& b, __m512& c, __m512& d) {
+  const __m512 t0 = _mm512_unpacklo_ps(a, b), t1 = _mm512_unpackhi_ps(a, b);
+  const __m512 t2 = _mm512_unpacklo_ps(c, d), t3 = _mm512_unpackhi_ps(c, d);
+  a = _mm512_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0));
+  b = _mm512_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
+  c = _mm512_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0));
+  d = _mm512_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
+}
+
+// Every 128-bit lane <- the max (sum) over the four lanes, lane by lane of 4 rows.
+PFLCORE_ALWAYS_INLINE __m512 lanes_max(__m512 v) {
+  v = _mm512_max_ps(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm512_max_ps(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(2, 3, 0, 1)));
+}
+PFLCORE_ALWAYS_INLINE __m512 lanes_sum(__m512 v) {
+  v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(2, 3, 0, 1)));
+}
+
+template <int NR>  // 4 or 8 rows: one or two groups of 4
+PFLCORE_ALWAYS_INLINE void softmax_rows_transposed(__m512 (&z)[NR], const Block<NR>& b, int64_t C) {
+  constexpr int groups = NR / 4;
+  static_assert(NR == 4 || NR == 8, "groups of 4 rows");
+  const __m512 minus_inf = _mm512_set1_ps(-INFINITY), one = _mm512_set1_ps(1.0f);
+  // Lane 4l + i of register j (of either group) holds class 4l + j of row i of the group.
+  const __m512i lane_class = _mm512_set_epi32(12, 12, 12, 12, 8, 8, 8, 8, 4, 4, 4, 4, 0, 0, 0, 0);
+  for (int g = 0; g < groups; ++g) transpose_4x4_lanes(z[4 * g], z[4 * g + 1], z[4 * g + 2], z[4 * g + 3]);
+  __mmask16 valid[4];
+  __m512i cls[4];
+  for (int j = 0; j < 4; ++j) {
+    cls[j] = _mm512_add_epi32(lane_class, _mm512_set1_epi32(j));
+    valid[j] = _mm512_cmplt_epi32_mask(cls[j], _mm512_set1_epi32(static_cast<int>(C)));
+  }
+  __m512 inv[2];
+  __m512 sums[2] = {one, one};
+  for (int g = 0; g < groups; ++g) {
+    __m512* u = z + 4 * g;
+    __m512 m = _mm512_mask_mov_ps(minus_inf, valid[0], u[0]);
+    for (int j = 1; j < 4; ++j) m = _mm512_mask_max_ps(m, valid[j], m, u[j]);
+    m = lanes_max(m);
+    __m512 s = _mm512_setzero_ps();
+    for (int j = 0; j < 4; ++j) {
+      u[j] = _mm512_maskz_mov_ps(valid[j], exp_nonpositive(_mm512_maskz_sub_ps(valid[j], u[j], m)));
+      s = _mm512_add_ps(s, u[j]);
+    }
+    sums[g] = lanes_sum(s);
+  }
+  // One division for both groups: group 0's sums in the low half, group 1's in the high half.
+  const __m512 both = _mm512_div_ps(one, _mm512_mask_blend_ps(0xFF00, sums[0], sums[1]));
+  inv[0] = _mm512_shuffle_f32x4(both, both, _MM_SHUFFLE(0, 0, 0, 0));
+  inv[1] = _mm512_shuffle_f32x4(both, both, _MM_SHUFFLE(2, 2, 2, 2));
+  for (int g = 0; g < groups; ++g) {
+    const __m512i label = _mm512_set_epi32(
+        static_cast<int>(b.label[4 * g + 3]), static_cast<int>(b.label[4 * g + 2]), static_cast<int>(b.label[4 * g + 1]),
+        static_cast<int>(b.label[4 * g]), static_cast<int>(b.label[4 * g + 3]), static_cast<int>(b.label[4 * g + 2]),
+        static_cast<int>(b.label[4 * g + 1]), static_cast<int>(b.label[4 * g]), static_cast<int>(b.label[4 * g + 3]),
+        static_cast<int>(b.label[4 * g + 2]), static_cast<int>(b.label[4 * g + 1]), static_cast<int>(b.label[4 * g]),
+        static_cast<int>(b.label[4 * g + 3]), static_cast<int>(b.label[4 * g + 2]), static_cast<int>(b.label[4 * g + 1]),
+        static_cast<int>(b.label[4 * g]));
+    __m512* u = z + 4 * g;
+    for (int j = 0; j < 4; ++j) {
+      const __m512 dz = _mm512_mul_ps(u[j], inv[g]);
+      u[j] = _mm512_mask_sub_ps(dz, _mm512_cmpeq_epi32_mask(label, cls[j]), dz, one);
+    }
+  }
+  // A 4x4 transpose undoes itself.
+  for (int g = 0; g < groups; ++g) transpose_4x4_lanes(z[4 * g], z[4 * g + 1], z[4 * g + 2], z[4 * g + 3]);
+}
+
+// Per-row loss terms and hits of a block of 8 (or 4) rows, transposed as in
+// softmax_rows_transposed: returns the rows' correctly classified count; their losses
+// log Σ e^(z − m) + m − z_y land in elements 0..NR of `loss` (row q in element q).
+template <int NR>
+PFLCORE_ALWAYS_INLINE int64_t eval_rows_transposed(__m512 (&z)[NR], const Block<NR>& b, int64_t C, __m512& loss) {
+  constexpr int groups = NR / 4;
+  static_assert(NR == 4 || NR == 8, "groups of 4 rows");
+  const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
+  const __m512i lane_class = _mm512_set_epi32(12, 12, 12, 12, 8, 8, 8, 8, 4, 4, 4, 4, 0, 0, 0, 0);
+  __mmask16 valid[4];
+  __m512i cls[4];
+  for (int j = 0; j < 4; ++j) {
+    cls[j] = _mm512_add_epi32(lane_class, _mm512_set1_epi32(j));
+    valid[j] = _mm512_cmplt_epi32_mask(cls[j], _mm512_set1_epi32(static_cast<int>(C)));
+  }
+  int64_t good = 0;
+  __m512 sums[2], tails[2];
+  for (int g = 0; g < groups; ++g) {
+    __m512* u = z + 4 * g;
+    transpose_4x4_lanes(u[0], u[1], u[2], u[3]);
+    const __m512i label = _mm512_set_epi32(
+        static_cast<int>(b.label[4 * g + 3]), static_cast<int>(b.label[4 * g + 2]), static_cast<int>(b.label[4 * g + 1]),
+        static_cast<int>(b.label[4 * g]), static_cast<int>(b.label[4 * g + 3]), static_cast<int>(b.label[4 * g + 2]),
+        static_cast<int>(b.label[4 * g + 1]), static_cast<int>(b.label[4 * g]), static_cast<int>(b.label[4 * g + 3]),
+        static_cast<int>(b.label[4 * g + 2]), static_cast<int>(b.label[4 * g + 1]), static_cast<int>(b.label[4 * g]),
+        static_cast<int>(b.label[4 * g + 3]), static_cast<int>(b.label[4 * g + 2]), static_cast<int>(b.label[4 * g + 1]),
+        static_cast<int>(b.label[4 * g]));
+    __m512 m = _mm512_mask_mov_ps(minus_inf, valid[0], u[0]);
+    for (int j = 1; j < 4; ++j) m = _mm512_mask_max_ps(m, valid[j], m, u[j]);
+    m = lanes_max(m);
+    // The first maximal class: the smallest class whose logit equals the max.
+    __m512i best = _mm512_set1_epi32(1 << 30);
+    __m512 s = _mm512_setzero_ps(), zy = _mm512_setzero_ps();
+    for (int j = 0; j < 4; ++j) {
+      const __mmask16 at_max = _mm512_mask_cmp_ps_mask(valid[j], u[j], m, _CMP_EQ_OQ);
+      best = _mm512_mask_min_epi32(best, at_max, best, cls[j]);
+      s = _mm512_add_ps(s, _mm512_maskz_mov_ps(valid[j], exp_nonpositive(_mm512_maskz_sub_ps(valid[j], u[j], m))));
+      zy = _mm512_add_ps(zy, _mm512_maskz_mov_ps(_mm512_cmpeq_epi32_mask(label, cls[j]), u[j]));  // exact: one term
+    }
+    best = _mm512_min_epi32(best, _mm512_shuffle_i32x4(best, best, _MM_SHUFFLE(1, 0, 3, 2)));
+    best = _mm512_min_epi32(best, _mm512_shuffle_i32x4(best, best, _MM_SHUFFLE(2, 3, 0, 1)));
+    good += __builtin_popcount(_mm512_cmpeq_epi32_mask(best, label) & 0xFu);
+    sums[g] = lanes_sum(s);
+    tails[g] = _mm512_sub_ps(m, lanes_sum(zy));
+  }
+  // Rows 0..4 from group 0's elements 0..4, rows 4..8 from group 1's elements 4..8 (each 128-bit
+  // lane of a group holds the same four rows).
+  const __m512 S = groups == 2 ? _mm512_mask_blend_ps(0x00F0, sums[0], sums[1]) : sums[0];
+  const __m512 T = groups == 2 ? _mm512_mask_blend_ps(0x00F0, tails[0], tails[1]) : tails[0];
+  const __mmask16 rows = groups == 2 ? 0x00FF : 0x000F;
+  loss = _mm512_mask_add_ps(loss, rows, loss, _mm512_add_ps(log_at_least_one(S), T));
+  return good;
+}
+
 // Runs block(NR, u0) over positions 0..n in blocks of 8, then 4, 2, 1; stops (false) when a
 // block does.
 template <typename Fn>
@@ -187,6 +315,14 @@ float gradient(const float* x, int64_t p, const int64_t* y, bool intercept, int6
       *nonfinite = u0;
       return false;
     }
+    if constexpr (NR == 8 || NR == 4) {
+      if (!with_loss) {
+        softmax_rows_transposed(z, b, C);
+        backward(b, p, intercept, z, first, G);
+        first = false;
+        return true;
+      }
+    }
     for (int q = 0; q < NR; ++q) {
       const __m512 m = all_max(_mm512_mask_mov_ps(minus_inf, classes, z[q]));
       const __m512 e = _mm512_maskz_mov_ps(classes, exp_nonpositive(_mm512_maskz_sub_ps(classes, z[q], m)));
@@ -206,7 +342,8 @@ float gradient(const float* x, int64_t p, const int64_t* y, bool intercept, int6
 }
 
 // minibatch::loss_and_hits for float and 16 padded classes (same contract). The loss terms
-// collect in 16 lanes (row t in lane t mod 16) and are summed by a fixed tree at the end.
+// collect in 16 lanes (blocks of 8 and 4 rows: row q of a block in lane q; the 1 to 3 rows of
+// the last blocks of 2 and 1 in lanes of their own) and are summed by a fixed tree at the end.
 template <typename RowAt>
 float loss_and_hits(const float* x, int64_t p, const int64_t* y, bool intercept, int64_t C, RowAt row_at, int64_t n,
                     const float* __restrict__ W, int64_t* hits, int64_t* nonfinite) {
@@ -225,6 +362,7 @@ float loss_and_hits(const float* x, int64_t p, const int64_t* y, bool intercept,
     filled = 0;
   };
   int64_t good = 0;
+  __m512 block_loss = _mm512_setzero_ps();  // row q of a block of 8 or 4 in element q
   const bool finished = for_blocks(n, [&](auto nr, int64_t u0) {
     constexpr int NR = decltype(nr)::value;
     Block<NR> b;
@@ -234,6 +372,10 @@ float loss_and_hits(const float* x, int64_t p, const int64_t* y, bool intercept,
     if (nonfinite && !all_finite(z)) {
       *nonfinite = u0;
       return false;
+    }
+    if constexpr (NR == 8 || NR == 4) {
+      good += eval_rows_transposed(z, b, C, block_loss);
+      return true;
     }
     for (int q = 0; q < NR; ++q) {
       const __m512 m = all_max(_mm512_mask_mov_ps(minus_inf, classes, z[q]));
@@ -250,9 +392,25 @@ float loss_and_hits(const float* x, int64_t p, const int64_t* y, bool intercept,
   });
   *hits = good;
   if (filled) flush();
-  const float total = _mm512_cvtss_f32(all_sum(loss));
+  const float total = _mm512_cvtss_f32(all_sum(_mm512_add_ps(block_loss, loss)));
   (void)finished;
   return total;
+}
+
+// w ← w − lr·(scale·g + l2·w + prox·(w − a)) elementwise over n floats; a = 0 when null.
+inline void apply_step(float* __restrict__ w, const float* __restrict__ g, const float* __restrict__ a, int64_t n,
+                       float lr, float scale, float l2, float prox) {
+  const __m512 vlr = _mm512_set1_ps(lr), vscale = _mm512_set1_ps(scale), vl2 = _mm512_set1_ps(l2),
+               vprox = _mm512_set1_ps(prox);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 live = n - i >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1u);
+    const __m512 wi = _mm512_maskz_loadu_ps(live, w + i);
+    const __m512 ai = a ? _mm512_maskz_loadu_ps(live, a + i) : _mm512_setzero_ps();
+    __m512 t = _mm512_mul_ps(vscale, _mm512_maskz_loadu_ps(live, g + i));
+    t = _mm512_fmadd_ps(vl2, wi, t);
+    t = _mm512_fmadd_ps(vprox, _mm512_sub_ps(wi, ai), t);
+    _mm512_mask_storeu_ps(w + i, live, _mm512_fnmadd_ps(vlr, t, wi));
+  }
 }
 
 // dst [P, 16] <- src [P, C], zero padding; and back.
