@@ -168,20 +168,34 @@ PFLCORE_ALWAYS_INLINE __m512 lanes_sum(__m512 v) {
   return _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(2, 3, 0, 1)));
 }
 
+// The class of every lane of transposed register j (class 4l + j in 128-bit lane l), and which
+// lanes hold one of the C classes.
+PFLCORE_ALWAYS_INLINE void transposed_classes(int64_t C, __m512i (&cls)[4], __mmask16 (&valid)[4]) {
+  const __m512i lane_class = _mm512_set_epi32(12, 12, 12, 12, 8, 8, 8, 8, 4, 4, 4, 4, 0, 0, 0, 0);
+  for (int j = 0; j < 4; ++j) {
+    cls[j] = _mm512_add_epi32(lane_class, _mm512_set1_epi32(j));
+    valid[j] = _mm512_cmplt_epi32_mask(cls[j], _mm512_set1_epi32(static_cast<int>(C)));
+  }
+}
+
+// The labels of rows 4g..4g+4 of a block in the transposed lanes (element i of every 128-bit
+// lane: row 4g + i).
+template <int NR>
+PFLCORE_ALWAYS_INLINE __m512i group_labels(const Block<NR>& b, int g) {
+  return _mm512_broadcast_i32x4(_mm_set_epi32(static_cast<int>(b.label[4 * g + 3]), static_cast<int>(b.label[4 * g + 2]),
+                                              static_cast<int>(b.label[4 * g + 1]), static_cast<int>(b.label[4 * g])));
+}
+
 template <int NR>  // 4 or 8 rows: one or two groups of 4
 PFLCORE_ALWAYS_INLINE void softmax_rows_transposed(__m512 (&z)[NR], const Block<NR>& b, int64_t C) {
   constexpr int groups = NR / 4;
   static_assert(NR == 4 || NR == 8, "groups of 4 rows");
   const __m512 minus_inf = _mm512_set1_ps(-INFINITY), one = _mm512_set1_ps(1.0f);
   // Lane 4l + i of register j (of either group) holds class 4l + j of row i of the group.
-  const __m512i lane_class = _mm512_set_epi32(12, 12, 12, 12, 8, 8, 8, 8, 4, 4, 4, 4, 0, 0, 0, 0);
   for (int g = 0; g < groups; ++g) transpose_4x4_lanes(z[4 * g], z[4 * g + 1], z[4 * g + 2], z[4 * g + 3]);
-  __mmask16 valid[4];
   __m512i cls[4];
-  for (int j = 0; j < 4; ++j) {
-    cls[j] = _mm512_add_epi32(lane_class, _mm512_set1_epi32(j));
-    valid[j] = _mm512_cmplt_epi32_mask(cls[j], _mm512_set1_epi32(static_cast<int>(C)));
-  }
+  __mmask16 valid[4];
+  transposed_classes(C, cls, valid);
   __m512 inv[2];
   __m512 sums[2] = {one, one};
   for (int g = 0; g < groups; ++g) {
@@ -201,13 +215,7 @@ PFLCORE_ALWAYS_INLINE void softmax_rows_transposed(__m512 (&z)[NR], const Block<
   inv[0] = _mm512_shuffle_f32x4(both, both, _MM_SHUFFLE(0, 0, 0, 0));
   inv[1] = _mm512_shuffle_f32x4(both, both, _MM_SHUFFLE(2, 2, 2, 2));
   for (int g = 0; g < groups; ++g) {
-    const __m512i label = _mm512_set_epi32(
-        static_cast<int>(b.label[4 * g + 3]), static_cast<int>(b.label[4 * g + 2]), static_cast<int>(b.label[4 * g + 1]),
-        static_cast<int>(b.label[4 * g]), static_cast<int>(b.label[4 * g + 3]), static_cast<int>(b.label[4 * g + 2]),
-        static_cast<int>(b.label[4 * g + 1]), static_cast<int>(b.label[4 * g]), static_cast<int>(b.label[4 * g + 3]),
-        static_cast<int>(b.label[4 * g + 2]), static_cast<int>(b.label[4 * g + 1]), static_cast<int>(b.label[4 * g]),
-        static_cast<int>(b.label[4 * g + 3]), static_cast<int>(b.label[4 * g + 2]), static_cast<int>(b.label[4 * g + 1]),
-        static_cast<int>(b.label[4 * g]));
+    const __m512i label = group_labels(b, g);
     __m512* u = z + 4 * g;
     for (int j = 0; j < 4; ++j) {
       const __m512 dz = _mm512_mul_ps(u[j], inv[g]);
@@ -226,25 +234,15 @@ PFLCORE_ALWAYS_INLINE int64_t eval_rows_transposed(__m512 (&z)[NR], const Block<
   constexpr int groups = NR / 4;
   static_assert(NR == 4 || NR == 8, "groups of 4 rows");
   const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
-  const __m512i lane_class = _mm512_set_epi32(12, 12, 12, 12, 8, 8, 8, 8, 4, 4, 4, 4, 0, 0, 0, 0);
-  __mmask16 valid[4];
   __m512i cls[4];
-  for (int j = 0; j < 4; ++j) {
-    cls[j] = _mm512_add_epi32(lane_class, _mm512_set1_epi32(j));
-    valid[j] = _mm512_cmplt_epi32_mask(cls[j], _mm512_set1_epi32(static_cast<int>(C)));
-  }
+  __mmask16 valid[4];
+  transposed_classes(C, cls, valid);
   int64_t good = 0;
   __m512 sums[2], tails[2];
   for (int g = 0; g < groups; ++g) {
     __m512* u = z + 4 * g;
     transpose_4x4_lanes(u[0], u[1], u[2], u[3]);
-    const __m512i label = _mm512_set_epi32(
-        static_cast<int>(b.label[4 * g + 3]), static_cast<int>(b.label[4 * g + 2]), static_cast<int>(b.label[4 * g + 1]),
-        static_cast<int>(b.label[4 * g]), static_cast<int>(b.label[4 * g + 3]), static_cast<int>(b.label[4 * g + 2]),
-        static_cast<int>(b.label[4 * g + 1]), static_cast<int>(b.label[4 * g]), static_cast<int>(b.label[4 * g + 3]),
-        static_cast<int>(b.label[4 * g + 2]), static_cast<int>(b.label[4 * g + 1]), static_cast<int>(b.label[4 * g]),
-        static_cast<int>(b.label[4 * g + 3]), static_cast<int>(b.label[4 * g + 2]), static_cast<int>(b.label[4 * g + 1]),
-        static_cast<int>(b.label[4 * g]));
+    const __m512i label = group_labels(b, g);
     __m512 m = _mm512_mask_mov_ps(minus_inf, valid[0], u[0]);
     for (int j = 1; j < 4; ++j) m = _mm512_mask_max_ps(m, valid[j], m, u[j]);
     m = lanes_max(m);
@@ -270,6 +268,21 @@ PFLCORE_ALWAYS_INLINE int64_t eval_rows_transposed(__m512 (&z)[NR], const Block<
   const __mmask16 rows = groups == 2 ? 0x00FF : 0x000F;
   loss = _mm512_mask_add_ps(loss, rows, loss, _mm512_add_ps(log_at_least_one(S), T));
   return good;
+}
+
+// The rows row_at(u0 ..) of a block and their logits z; false (the block's first position in
+// `nonfinite`, when given) where a logit is not finite.
+template <int NR, typename RowAt>
+PFLCORE_ALWAYS_INLINE bool block_logits(const float* x, int64_t p, const int64_t* y, bool intercept,
+                                        const float* __restrict__ W, RowAt row_at, int64_t u0, Block<NR>& b,
+                                        __m512 (&z)[NR], int64_t* nonfinite) {
+  gather(x, p, y, row_at, u0, b);
+  forward(b, p, intercept, W, z);
+  if (nonfinite && !all_finite(z)) {
+    *nonfinite = u0;
+    return false;
+  }
+  return true;
 }
 
 // Runs block(NR, u0) over positions 0..n in blocks of 8, then 4, 2, 1; stops (false) when a
@@ -308,13 +321,8 @@ float gradient(const float* x, int64_t p, const int64_t* y, bool intercept, int6
   for_blocks(B, [&](auto nr, int64_t u0) {
     constexpr int NR = decltype(nr)::value;
     Block<NR> b;
-    gather(x, p, y, row_at, u0, b);
     __m512 z[NR];
-    forward(b, p, intercept, W, z);
-    if (nonfinite && !all_finite(z)) {
-      *nonfinite = u0;
-      return false;
-    }
+    if (!block_logits(x, p, y, intercept, W, row_at, u0, b, z, nonfinite)) return false;
     if constexpr (NR == 8 || NR == 4) {
       if (!with_loss) {
         softmax_rows_transposed(z, b, C);
@@ -366,13 +374,8 @@ float loss_and_hits(const float* x, int64_t p, const int64_t* y, bool intercept,
   const bool finished = for_blocks(n, [&](auto nr, int64_t u0) {
     constexpr int NR = decltype(nr)::value;
     Block<NR> b;
-    gather(x, p, y, row_at, u0, b);
     __m512 z[NR];
-    forward(b, p, intercept, W, z);
-    if (nonfinite && !all_finite(z)) {
-      *nonfinite = u0;
-      return false;
-    }
+    if (!block_logits(x, p, y, intercept, W, row_at, u0, b, z, nonfinite)) return false;
     if constexpr (NR == 8 || NR == 4) {
       good += eval_rows_transposed(z, b, C, block_loss);
       return true;
