@@ -350,7 +350,8 @@ off = torch.cat([torch.zeros(1, dtype=torch.int64), sizes.cumsum(0)])
 N = int(off[-1])
 data = ClientData(torch.randn(N, 64, generator=g), torch.randint(0, 10, (N,), generator=g), off)
 h = hashlib.sha256()
-for net in (models.MLP(64, (32, 16), 10, l2=0.01), models.CNN(64, 10, kernel_size=3, padding=1)):
+for net in (models.MLP(64, (32, 16), 10, l2=0.01), models.MLP(64, 40, 10, l2=0.01),  # torch; native (1 layer)
+            models.CNN(64, 10, kernel_size=3, padding=1)):
     for R in (40, 1):  # many chunks, and a single model row (one chunk)
         rows = torch.arange(R) if R > 1 else torch.tensor([17])
         theta = net.initial(R, seed=1)
@@ -429,3 +430,30 @@ def test_evaluate_of_clients_cut_into_blocks_matches_reference(net_factory):
     got = ops.evaluate(net, shared, d_)
     for u, v in zip(got, ops.evaluate(net, shared.expand(6, net.d).contiguous(), d_)):
         assert torch.equal(u, v)
+
+
+@pytest.mark.parametrize("p,hidden,C", [(60, 100, 10), (7, 5, 2), (13, 37, 3), (9, 128, 16), (5, 16, 11), (6, 129, 4)])
+def test_native_mlp_steps_match_reference(p, hidden, C, monkeypatch):
+    """A one-hidden-layer float32 MLP's minibatch steps run in csrc/cpu/mlp.cpp where the build has
+    AVX-512 (hidden <= 128, C <= 16): against the reference for every option (l2, prox with a
+    per-row or shared anchor, grad_scale, minibatches of 1 and 4 rows and one not a multiple of 4,
+    a repeated minibatch), with the native path seen to run wherever it is available."""
+    net = models.MLP(p, hidden, C, l2=0.02)
+    d_ = make_data(net, [7, 30, 12, 21], torch.float32, seed=31)
+    theta = _theta(net, 4, torch.float32, seed=32)
+    taken = []
+    real = _nets._native_mlp_steps
+    monkeypatch.setattr(_nets, "_native_mlp_steps", lambda *a: taken.append(real(*a)) or taken[-1])
+    for B, anchor, scale, prox in ((1, None, None, 0.0), (4, _theta(net, 4, torch.float32, seed=33), None, 3.0),
+                                   (9, _theta(net, 1, torch.float32, seed=34)[0], torch.tensor([0.5, 1.0, 2.0, 0.0]),
+                                    1.0)):
+        b = ops.sample_batches(d_, steps=2, batch_size=B, seed=B, counter=1).repeat_interleave(2, dim=1).contiguous()
+        kw = dict(steps=4, lr=0.1, prox=prox, anchor=anchor, batches=b, grad_scale=scale)
+        got, want = theta.clone(), theta.clone()
+        ops.local_steps(net, got, d_, **kw)
+        ops.local_steps_ref(net, want, d_, **kw)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5)
+        assert float((got - theta).abs().max()) > 1e-3
+    core = _nets._native_mlp_module()
+    expected = core is not None and core.mlp_local_steps_supported(hidden, C)
+    assert taken == [expected] * 3

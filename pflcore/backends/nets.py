@@ -38,6 +38,12 @@ previous step's minibatch (pFedMe's inner steps) does not gather it again. bench
 measures it (GFLOP/s against a 2048² matmul) and against the vmap path and a per-client loop of
 ``torch.nn`` modules.
 
+The minibatch steps of a one-hidden-layer float32 MLP on the CPU (up to 128 hidden units, at
+most 16 classes) run in a native kernel instead, where the build has AVX-512
+(``csrc/cpu/mlp.cpp``, ``_native_mlp_steps``): one model row per thread with its parameters in
+register-wide layouts, 1.3x the batched GEMMs above on MLP(60, 100, 10) at B = 20. Every other
+net, dtype, device and call keeps the torch paths.
+
 The references (``pflcore/backends/reference.py``) are a plain loop over model rows with
 ``torch.autograd`` on a ``torch.nn`` module holding the row's parameters (``net.module()``),
 written independently of the vmapped path (they also check the parameter layout).
@@ -357,6 +363,41 @@ def _mlp_local_steps(model: MLP, th: torch.Tensor, data: ClientData, batch_idx: 
 
 # ---- local_steps -------------------------------------------------------------------------------
 
+_NATIVE_MLP: list = []  # [the _core module or None], resolved on first use
+
+
+def _native_mlp_module():
+    if not _NATIVE_MLP:
+        try:
+            from pflcore import _core
+            _NATIVE_MLP.append(_core if hasattr(_core, "mlp_local_steps") else None)
+        except ImportError:
+            _NATIVE_MLP.append(None)
+    return _NATIVE_MLP[0]
+
+
+def _native_mlp_steps(model: TorchNet, theta_t: torch.Tensor, data: ClientData, batches_t: Optional[torch.Tensor],
+                      anchor_t: Optional[torch.Tensor], scale_t: Optional[torch.Tensor], steps: int, lr: float,
+                      prox: float) -> bool:
+    """Minibatch steps of a one-hidden-layer float32 MLP on the CPU in the native kernel
+    (``csrc/cpu/mlp.cpp``: AVX-512, C <= 16, up to 128 hidden units); False where it does not
+    serve the call, and the torch path runs. Its inputs have passed the same checks."""
+    core = _native_mlp_module() if HAND_WRITTEN_MLP else None
+    if (core is None or not isinstance(model, MLP) or len(model.hidden) != 1 or batches_t is None
+            or theta_t.device.type != "cpu" or theta_t.dtype is not torch.float32
+            or not core.mlp_local_steps_supported(model.hidden[0], model.C)):
+        return False
+    tensors = [theta_t, data.x, data.y, batches_t] + [t for t in (anchor_t, scale_t) if t is not None]
+    if batches_t.dtype is not torch.int32 or not all(t.is_contiguous() for t in tensors):
+        return False
+    R = theta_t.shape[0]
+    core.mlp_local_steps(theta_t.data_ptr(), R, model.p, model.hidden[0], model.C, model.l2, data.x.data_ptr(),
+                         data.y.data_ptr(), batches_t.data_ptr(), steps, batches_t.shape[2],
+                         0 if anchor_t is None else anchor_t.data_ptr(), anchor_t is not None and anchor_t.dim() == 1,
+                         0 if scale_t is None else scale_t.data_ptr(), lr, prox)
+    return True
+
+
 def local_steps(model: TorchNet, theta_t: torch.Tensor, data: ClientData, rows_t: torch.Tensor,
                 batches_t: Optional[torch.Tensor], anchor_t: Optional[torch.Tensor], scale_t: Optional[torch.Tensor],
                 steps: int, lr: float, prox: float) -> None:
@@ -364,6 +405,8 @@ def local_steps(model: TorchNet, theta_t: torch.Tensor, data: ClientData, rows_t
     θ_r ← θ_r − lr·( grad_scale[r]·∇ℓ_i(θ_r; B_{r,s}) + l2·θ_r + prox·(θ_r − a_r) ), i = rows[r]."""
     R = theta_t.shape[0]
     if steps == 0 or R == 0:
+        return
+    if _native_mlp_steps(model, theta_t, data, batches_t, anchor_t, scale_t, steps, lr, prox):
         return
     grad = _grad_fn(model)
     rows_per_model = batches_t.shape[2] if batches_t is not None else _max_rows(data, rows_t)

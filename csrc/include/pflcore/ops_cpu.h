@@ -105,4 +105,15 @@ template <typename T>
 void average(const T* theta /*[M, d]*/, int64_t M, const T* weights /*[M]*/, const int64_t* rows /*[R] or null*/,
              int64_t R, int64_t d, T* out /*[d]*/, Faults& faults);
 
+// Minibatch SGD steps of the one-hidden-layer MLP p → H → C (ReLU, cross-entropy), float, in
+// place on theta [R, d] (rows [W1 (H×p), b1 (H), W2 (C×H), b2 (C)]): for s < steps,
+// θ_r ← θ_r − lr·(grad_scale[r]·∇_mean(θ_r; batches[r, s]) + l2·θ_r + prox·(θ_r − anchor_r)).
+// Trusted inputs: the caller (the nets backend) has validated every index and value.
+// Supported where the build has AVX-512, 1 <= H <= 128 and 2 <= C <= 16.
+bool mlp_local_steps_supported(int64_t H, int64_t C);
+void mlp_local_steps(float* theta /*[R, d]*/, int64_t R, int64_t p, int64_t H, int64_t C, float l2,
+                     const float* x /*[N, p]*/, const int64_t* y /*[N]*/, const int32_t* batches /*[R, steps, B]*/,
+                     int64_t steps, int64_t B, const float* anchor /*[R, d], [d] or null*/, bool anchor_shared,
+                     const float* grad_scale /*[R] or null*/, float lr, float prox);
+
 }  // namespace pflcore::cpu
