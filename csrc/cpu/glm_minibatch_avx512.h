@@ -371,7 +371,7 @@ float loss_and_hits(const float* x, int64_t p, const int64_t* y, bool intercept,
   };
   int64_t good = 0;
   __m512 block_loss = _mm512_setzero_ps();  // row q of a block of 8 or 4 in element q
-  const bool finished = for_blocks(n, [&](auto nr, int64_t u0) {
+  for_blocks(n, [&](auto nr, int64_t u0) {
     constexpr int NR = decltype(nr)::value;
     Block<NR> b;
     __m512 z[NR];
@@ -395,9 +395,7 @@ float loss_and_hits(const float* x, int64_t p, const int64_t* y, bool intercept,
   });
   *hits = good;
   if (filled) flush();
-  const float total = _mm512_cvtss_f32(all_sum(_mm512_add_ps(block_loss, loss)));
-  (void)finished;
-  return total;
+  return _mm512_cvtss_f32(all_sum(_mm512_add_ps(block_loss, loss)));
 }
 
 // w ← w − lr·(scale·g + l2·w + prox·(w − a)) elementwise over n floats; a = 0 when null.

@@ -32,7 +32,7 @@ constexpr int kRows = 4;  // rows per block
 
 struct MlpWorkspace {
   std::vector<float> A1, G1, N1, A2, G2, N2, A2T, hidden, dh;
-  void prepare(int64_t p, int64_t HP, int64_t H, int64_t B) {
+  void prepare(int64_t p, int64_t HP, int64_t H) {
     grow(A1, (p + 1) * HP);
     grow(G1, (p + 1) * HP);
     grow(N1, (p + 1) * HP);
@@ -42,7 +42,6 @@ struct MlpWorkspace {
     grow(A2T, 16 * HP);
     grow(hidden, kRows * HP);
     grow(dh, kRows * HP);
-    (void)B;
   }
   static void grow(std::vector<float>& v, int64_t n) {
     if (static_cast<int64_t>(v.size()) < n) v.resize(n);
@@ -155,7 +154,7 @@ void mlp_row(float* th, int64_t p, int64_t H, int64_t C, float l2, const float* 
              const int32_t* batches, int64_t steps, int64_t B, const float* anchor, float scale, float lr, float prox) {
   const int64_t HP = (H + 15) / 16 * 16, NV = HP / 16;
   auto& ws = MlpWorkspace::local();
-  ws.prepare(p, HP, H, B);
+  ws.prepare(p, HP, H);
   float *A1 = ws.A1.data(), *G1 = ws.G1.data(), *A2 = ws.A2.data(), *G2 = ws.G2.data(), *A2T = ws.A2T.data();
   float *hidden = ws.hidden.data(), *dh = ws.dh.data();
   to_kernel_layout(th, p, H, C, HP, A1, A2);
