@@ -501,3 +501,24 @@ def test_finite_features_whose_logits_overflow_are_not_a_fault():
     torch.testing.assert_close(got["native"][0][1], got["reference"][0][1])
     torch.testing.assert_close(got["native"][3][1], got["reference"][3][1])
     assert torch.isfinite(got["native"][3][1]).all()
+
+
+@pytest.mark.parametrize("op", ["local_steps", "local_steps_full_batch", "gradients", "evaluate"])
+def test_a_bad_feature_after_a_block_whose_logits_overflow_is_still_reported(op):
+    # Row 3's finite features overflow its logits (block 1 of 8 + 8 + 4), so the logits check
+    # stops there and finds no bad feature in that block; row 13's NaN, in the next block, must
+    # still be reported, not run through unchecked.
+    model, d, b = _twenty_row_batches()
+    d.x[3] = 3e38
+    d.x[13, 2] = float("nan")
+    messages = []
+    for name in ("native", "reference"):
+        th = torch.ones(2, model.d)
+        call = {"local_steps": lambda: ops.local_steps(model, th, d, steps=2, lr=0.1, batches=b.repeat(1, 2, 1)),
+                "local_steps_full_batch": lambda: ops.local_steps(model, th, d, steps=2, lr=0.1),
+                "gradients": lambda: ops.gradients(model, th, d, batches=b[:, 0]),
+                "evaluate": lambda: ops.evaluate(model, th, d, batches=b[:, 0])}[op]
+        with backend.use(name), pytest.raises(ValueError) as info:
+            call()
+        messages.append(str(info.value))
+    assert messages[0] == messages[1] and re.search(r"^x: row 13 holds", messages[0]), messages

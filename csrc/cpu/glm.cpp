@@ -486,17 +486,17 @@ bool check_labels(const GlmProblem<T>& prob, RowAt row_at, int64_t n, int64_t ke
 }
 
 // Runs a row-path pass, pass(&at), that stops at the first block of rows whose logits are not
-// all finite (at = its first row's position). A NaN/inf feature always makes them so: the
-// block's first such row is then reported. Finite features whose logits overflowed are not a
-// fault: the pass runs again unchecked, as it would have after an up-front scan of the rows.
-// This replaces that scan, which read every row's features once more before the math.
+// all finite (at = its first row's position). A NaN/inf feature always makes them so: the first
+// such row from `at` on is then reported (rows before `at` had finite logits). Finite features
+// whose logits overflowed are not a fault: once every row from `at` on is seen finite, the pass
+// runs again unchecked, as it would have after an up-front scan of the rows. This replaces that
+// scan, which read every row's features once more before the math.
 template <typename T, typename RowAt, typename Pass>
 bool checked_pass(const GlmProblem<T>& prob, RowAt row_at, int64_t n, int64_t key, Faults& faults, Pass pass) {
   int64_t at = -1;
   pass(&at);
   if (at < 0) return true;
-  const int64_t end = std::min<int64_t>(n, at + minibatch::kRows);
-  for (int64_t j = at; j < end; ++j) {
+  for (int64_t j = at; j < n; ++j) {
     const int64_t row = row_at(j);
     if (!all_finite(prob.x + row * prob.p, prob.p)) {
       faults.add(key, FaultKind::NonFinite, "x: row %lld holds a NaN or infinite value", ll(row));
