@@ -457,6 +457,22 @@ def _twenty_row_batches():
     return model, d, b
 
 
+def _fault_messages(op, model, d, b, theta_value):
+    """The ValueError messages of op on (d, b) from the native backend and the reference, at
+    θ = theta_value everywhere (two model rows; minibatch b as _twenty_row_batches gives it)."""
+    messages = []
+    for name in ("native", "reference"):
+        th = theta_value * torch.ones(2, model.d)
+        call = {"local_steps": lambda: ops.local_steps(model, th, d, steps=2, lr=0.1, batches=b.repeat(1, 2, 1)),
+                "local_steps_full_batch": lambda: ops.local_steps(model, th, d, steps=2, lr=0.1),
+                "gradients": lambda: ops.gradients(model, th, d, batches=b[:, 0]),
+                "evaluate": lambda: ops.evaluate(model, th, d, batches=b[:, 0])}[op]
+        with backend.use(name), pytest.raises(ValueError) as info:
+            call()
+        messages.append(str(info.value))
+    return messages
+
+
 @pytest.mark.parametrize("op", ["local_steps", "local_steps_full_batch", "gradients", "evaluate"])
 @pytest.mark.parametrize("faults, want", [
     ({"x": 13, "y": 17}, r"^x: row 13 holds"),         # x in the 2nd block before a bad label in the 3rd
@@ -472,16 +488,7 @@ def test_features_checked_through_the_logits_report_the_first_bad_value(op, faul
         d.x[faults["x"], 2] = float("inf") if faults["x"] % 2 else float("nan")
     if "y" in faults:
         d.y[faults["y"]] = 9
-    messages = []
-    for name in ("native", "reference"):
-        th = 0.1 * torch.ones(2, model.d)
-        call = {"local_steps": lambda: ops.local_steps(model, th, d, steps=2, lr=0.1, batches=b.repeat(1, 2, 1)),
-                "local_steps_full_batch": lambda: ops.local_steps(model, th, d, steps=2, lr=0.1),
-                "gradients": lambda: ops.gradients(model, th, d, batches=b[:, 0]),
-                "evaluate": lambda: ops.evaluate(model, th, d, batches=b[:, 0])}[op]
-        with backend.use(name), pytest.raises(ValueError) as info:
-            call()
-        messages.append(str(info.value))
+    messages = _fault_messages(op, model, d, b, 0.1)
     assert messages[0] == messages[1] and re.search(want, messages[0]), messages
 
 
@@ -511,14 +518,5 @@ def test_a_bad_feature_after_a_block_whose_logits_overflow_is_still_reported(op)
     model, d, b = _twenty_row_batches()
     d.x[3] = 3e38
     d.x[13, 2] = float("nan")
-    messages = []
-    for name in ("native", "reference"):
-        th = torch.ones(2, model.d)
-        call = {"local_steps": lambda: ops.local_steps(model, th, d, steps=2, lr=0.1, batches=b.repeat(1, 2, 1)),
-                "local_steps_full_batch": lambda: ops.local_steps(model, th, d, steps=2, lr=0.1),
-                "gradients": lambda: ops.gradients(model, th, d, batches=b[:, 0]),
-                "evaluate": lambda: ops.evaluate(model, th, d, batches=b[:, 0])}[op]
-        with backend.use(name), pytest.raises(ValueError) as info:
-            call()
-        messages.append(str(info.value))
+    messages = _fault_messages(op, model, d, b, 1.0)
     assert messages[0] == messages[1] and re.search(r"^x: row 13 holds", messages[0]), messages

@@ -22,6 +22,7 @@
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -30,6 +31,11 @@
 namespace pflcore::cpu::minibatch::avx512 {
 
 #define PFLCORE_ALWAYS_INLINE inline __attribute__((always_inline))
+
+// The mask of the first n lanes of a register (all 16 for n >= 16, none for n <= 0).
+PFLCORE_ALWAYS_INLINE __mmask16 first_lanes(int64_t n) {
+  return n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : static_cast<__mmask16>((1u << n) - 1u);
+}
 
 // e^x for x <= 0: the polynomial of glm.cpp's exp_nonpositive, 16 lanes at a time.
 PFLCORE_ALWAYS_INLINE __m512 exp_nonpositive(__m512 x) {
@@ -186,11 +192,19 @@ PFLCORE_ALWAYS_INLINE __m512i group_labels(const Block<NR>& b, int g) {
                                               static_cast<int>(b.label[4 * g + 1]), static_cast<int>(b.label[4 * g])));
 }
 
+// Every lane of a transposed group of 4 rows (registers u[0..4)) <- its row's max over the C
+// classes.
+PFLCORE_ALWAYS_INLINE __m512 group_max(const __m512* u, const __mmask16 (&valid)[4]) {
+  __m512 m = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid[0], u[0]);
+  for (int j = 1; j < 4; ++j) m = _mm512_mask_max_ps(m, valid[j], m, u[j]);
+  return lanes_max(m);
+}
+
 template <int NR>  // 4 or 8 rows: one or two groups of 4
 PFLCORE_ALWAYS_INLINE void softmax_rows_transposed(__m512 (&z)[NR], const Block<NR>& b, int64_t C) {
   constexpr int groups = NR / 4;
   static_assert(NR == 4 || NR == 8, "groups of 4 rows");
-  const __m512 minus_inf = _mm512_set1_ps(-INFINITY), one = _mm512_set1_ps(1.0f);
+  const __m512 one = _mm512_set1_ps(1.0f);
   // Lane 4l + i of register j (of either group) holds class 4l + j of row i of the group.
   for (int g = 0; g < groups; ++g) transpose_4x4_lanes(z[4 * g], z[4 * g + 1], z[4 * g + 2], z[4 * g + 3]);
   __m512i cls[4];
@@ -200,9 +214,7 @@ PFLCORE_ALWAYS_INLINE void softmax_rows_transposed(__m512 (&z)[NR], const Block<
   __m512 sums[2] = {one, one};
   for (int g = 0; g < groups; ++g) {
     __m512* u = z + 4 * g;
-    __m512 m = _mm512_mask_mov_ps(minus_inf, valid[0], u[0]);
-    for (int j = 1; j < 4; ++j) m = _mm512_mask_max_ps(m, valid[j], m, u[j]);
-    m = lanes_max(m);
+    const __m512 m = group_max(u, valid);
     __m512 s = _mm512_setzero_ps();
     for (int j = 0; j < 4; ++j) {
       u[j] = _mm512_maskz_mov_ps(valid[j], exp_nonpositive(_mm512_maskz_sub_ps(valid[j], u[j], m)));
@@ -233,7 +245,6 @@ template <int NR>
 PFLCORE_ALWAYS_INLINE int64_t eval_rows_transposed(__m512 (&z)[NR], const Block<NR>& b, int64_t C, __m512& loss) {
   constexpr int groups = NR / 4;
   static_assert(NR == 4 || NR == 8, "groups of 4 rows");
-  const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
   __m512i cls[4];
   __mmask16 valid[4];
   transposed_classes(C, cls, valid);
@@ -243,9 +254,7 @@ PFLCORE_ALWAYS_INLINE int64_t eval_rows_transposed(__m512 (&z)[NR], const Block<
     __m512* u = z + 4 * g;
     transpose_4x4_lanes(u[0], u[1], u[2], u[3]);
     const __m512i label = group_labels(b, g);
-    __m512 m = _mm512_mask_mov_ps(minus_inf, valid[0], u[0]);
-    for (int j = 1; j < 4; ++j) m = _mm512_mask_max_ps(m, valid[j], m, u[j]);
-    m = lanes_max(m);
+    const __m512 m = group_max(u, valid);
     // The first maximal class: the smallest class whose logit equals the max.
     __m512i best = _mm512_set1_epi32(1 << 30);
     __m512 s = _mm512_setzero_ps(), zy = _mm512_setzero_ps();
@@ -314,7 +323,7 @@ float gradient(const float* x, int64_t p, const int64_t* y, bool intercept, int6
     for (int64_t i = 0; i < P * 16; ++i) G[i] = 0.0f;
     return 0.0f;
   }
-  const __mmask16 classes = static_cast<__mmask16>((1u << C) - 1u);
+  const __mmask16 classes = first_lanes(C);
   const __m512 minus_inf = _mm512_set1_ps(-INFINITY), one = _mm512_set1_ps(1.0f);
   float loss = 0.0f;
   bool first = true;
@@ -356,19 +365,14 @@ template <typename RowAt>
 float loss_and_hits(const float* x, int64_t p, const int64_t* y, bool intercept, int64_t C, RowAt row_at, int64_t n,
                     const float* __restrict__ W, int64_t* hits, int64_t* nonfinite) {
   if (nonfinite) *nonfinite = -1;
-  const __mmask16 classes = static_cast<__mmask16>((1u << C) - 1u);
+  const __mmask16 classes = first_lanes(C);
   const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
-  alignas(64) float sums[16], tails[16];  // a row's loss = log(sum) + tail
+  // The rows of the last blocks of 2 and 1 (at most 3): a row's loss = log(sum) + tail, with
+  // log 1 + 0 = 0 exactly in the lanes left over.
+  alignas(64) float sums[16], tails[16];
+  std::fill(sums, sums + 16, 1.0f);
+  std::fill(tails, tails + 16, 0.0f);
   int filled = 0;
-  __m512 loss = _mm512_setzero_ps();
-  const auto flush = [&] {
-    for (int i = filled; i < 16; ++i) {  // log 1 + 0 = 0 exactly
-      sums[i] = 1.0f;
-      tails[i] = 0.0f;
-    }
-    loss = _mm512_add_ps(loss, _mm512_add_ps(log_at_least_one(_mm512_load_ps(sums)), _mm512_load_ps(tails)));
-    filled = 0;
-  };
   int64_t good = 0;
   __m512 block_loss = _mm512_setzero_ps();  // row q of a block of 8 or 4 in element q
   for_blocks(n, [&](auto nr, int64_t u0) {
@@ -389,13 +393,13 @@ float loss_and_hits(const float* x, int64_t p, const int64_t* y, bool intercept,
       const float zy = _mm512_cvtss_f32(_mm512_permutexvar_ps(_mm512_set1_epi32(static_cast<int>(b.label[q])), z[q]));
       sums[filled] = _mm512_cvtss_f32(all_sum(e));
       tails[filled] = _mm512_cvtss_f32(m) - zy;
-      if (++filled == 16) flush();
+      ++filled;
     }
     return true;
   });
   *hits = good;
-  if (filled) flush();
-  return _mm512_cvtss_f32(all_sum(_mm512_add_ps(block_loss, loss)));
+  const __m512 tail_loss = _mm512_add_ps(log_at_least_one(_mm512_load_ps(sums)), _mm512_load_ps(tails));
+  return _mm512_cvtss_f32(all_sum(_mm512_add_ps(block_loss, tail_loss)));
 }
 
 // w ← w − lr·(scale·g + l2·w + prox·(w − a)) elementwise over n floats; a = 0 when null.
@@ -404,7 +408,7 @@ inline void apply_step(float* __restrict__ w, const float* __restrict__ g, const
   const __m512 vlr = _mm512_set1_ps(lr), vscale = _mm512_set1_ps(scale), vl2 = _mm512_set1_ps(l2),
                vprox = _mm512_set1_ps(prox);
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 live = n - i >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1u);
+    const __mmask16 live = first_lanes(n - i);
     const __m512 wi = _mm512_maskz_loadu_ps(live, w + i);
     const __m512 ai = a ? _mm512_maskz_loadu_ps(live, a + i) : _mm512_setzero_ps();
     __m512 t = _mm512_mul_ps(vscale, _mm512_maskz_loadu_ps(live, g + i));
@@ -416,11 +420,11 @@ inline void apply_step(float* __restrict__ w, const float* __restrict__ g, const
 
 // dst [P, 16] <- src [P, C], zero padding; and back.
 inline void load_padded(float* __restrict__ dst, const float* __restrict__ src, int64_t P, int64_t C) {
-  const __mmask16 classes = static_cast<__mmask16>((1u << C) - 1u);
+  const __mmask16 classes = first_lanes(C);
   for (int64_t k = 0; k < P; ++k) _mm512_storeu_ps(dst + k * 16, _mm512_maskz_loadu_ps(classes, src + k * C));
 }
 inline void store_unpadded(float* __restrict__ dst, const float* __restrict__ src, int64_t P, int64_t C) {
-  const __mmask16 classes = static_cast<__mmask16>((1u << C) - 1u);
+  const __mmask16 classes = first_lanes(C);
   for (int64_t k = 0; k < P; ++k) _mm512_mask_storeu_ps(dst + k * C, classes, _mm512_loadu_ps(src + k * 16));
 }
 

@@ -27,6 +27,7 @@ namespace pflcore::cpu {
 namespace {
 
 using minibatch::avx512::Block;
+using minibatch::avx512::first_lanes;
 
 constexpr int kRows = 4;  // rows per block
 
@@ -59,7 +60,7 @@ void to_kernel_layout(const float* th, int64_t p, int64_t H, int64_t C, int64_t 
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const __m512i stride = _mm512_mullo_epi32(lane, _mm512_set1_epi32(static_cast<int>(p)));
   for (int64_t h0 = 0; h0 < HP; h0 += 16) {
-    const __mmask16 live = h0 + 16 <= H ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << std::max<int64_t>(0, H - h0)) - 1u);
+    const __mmask16 live = first_lanes(H - h0);
     const float* base = W1 + h0 * p;
     for (int64_t k = 0; k < p; ++k)
       _mm512_storeu_ps(A1 + k * HP + h0,
@@ -78,7 +79,7 @@ void from_kernel_layout(float* th, int64_t p, int64_t H, int64_t C, int64_t HP, 
   const __m512i stride = _mm512_mullo_epi32(lane, _mm512_set1_epi32(static_cast<int>(HP)));
   for (int64_t h = 0; h < H; ++h)
     for (int64_t k0 = 0; k0 < p; k0 += 16) {
-      const __mmask16 live = k0 + 16 <= p ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (p - k0)) - 1u);
+      const __mmask16 live = first_lanes(p - k0);
       _mm512_mask_storeu_ps(W1 + h * p + k0, live,
                             _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, stride, A1 + k0 * HP + h, 4));
     }
@@ -164,7 +165,6 @@ void mlp_row(float* th, int64_t p, int64_t H, int64_t C, float l2, const float* 
     N1 = ws.N1.data();
     N2 = ws.N2.data();
   }
-  const __mmask16 classes = static_cast<__mmask16>((1u << C) - 1u);
   std::fill(A2T, A2T + 16 * HP, 0.0f);  // its padding stays 0; the C rows are rewritten every step
   const __m512i by16 = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                           _mm512_set1_epi32(16));
@@ -174,7 +174,7 @@ void mlp_row(float* th, int64_t p, int64_t H, int64_t C, float l2, const float* 
     std::fill(G2, G2 + (H + 1) * 16, 0.0f);
     for (int64_t c = 0; c < C; ++c)  // A2T[c, h0 + i] = A2[h0 + i, c], 16 hidden units a gather
       for (int64_t h0 = 0; h0 < H; h0 += 16) {
-        const __mmask16 live = h0 + 16 <= H ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (H - h0)) - 1u);
+        const __mmask16 live = first_lanes(H - h0);
         _mm512_mask_storeu_ps(A2T + c * HP + h0, live,
                               _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, by16, A2 + h0 * 16 + c, 4));
       }
@@ -189,28 +189,15 @@ void mlp_row(float* th, int64_t p, int64_t H, int64_t C, float l2, const float* 
       for_hidden_chunks(NV, [&](auto w, int64_t v0) {
         hidden_forward_chunk<decltype(w)::value>(b.row, p, HP, v0, A1, hidden);
       });
-      // logits z_q = b2 + h_q A2 (the GLM forward with the hidden units as features)
+      // logits z_q = b2 + h_q A2 and G2 += hᵀ dz: the GLM row path's forward and backward with the
+      // hidden units as the features
+      Block<kRows> hb;
+      for (int q = 0; q < kRows; ++q) hb.row[q] = hidden + q * HP;
       __m512 z[kRows];
-      const __m512 b2 = _mm512_loadu_ps(A2 + H * 16);
-      for (int q = 0; q < kRows; ++q) z[q] = b2;
-      for (int64_t h = 0; h < H; ++h) {
-        const __m512 w = _mm512_loadu_ps(A2 + h * 16);
-        for (int q = 0; q < kRows; ++q) z[q] = _mm512_fmadd_ps(_mm512_set1_ps(hidden[q * HP + h]), w, z[q]);
-      }
+      minibatch::avx512::forward(hb, H, true, A2, z);
       minibatch::avx512::softmax_rows_transposed(z, b, C);
       for (int q = static_cast<int>(live); q < kRows; ++q) z[q] = _mm512_setzero_ps();  // repeated rows
-      for (int q = 0; q < kRows; ++q) z[q] = _mm512_maskz_mov_ps(classes, z[q]);
-      // G2 += hᵀ dz, and its bias row
-      for (int64_t h = 0; h < H; ++h) {
-        __m512 g = _mm512_loadu_ps(G2 + h * 16);
-        for (int q = 0; q < kRows; ++q) g = _mm512_fmadd_ps(_mm512_set1_ps(hidden[q * HP + h]), z[q], g);
-        _mm512_storeu_ps(G2 + h * 16, g);
-      }
-      {
-        __m512 g = _mm512_loadu_ps(G2 + H * 16);
-        for (int q = 0; q < kRows; ++q) g = _mm512_add_ps(g, z[q]);
-        _mm512_storeu_ps(G2 + H * 16, g);
-      }
+      minibatch::avx512::backward(hb, H, true, z, false, G2);
       // dh = (dz A2T) ∘ [h > 0]
       alignas(64) float dz[kRows][16];
       for (int q = 0; q < kRows; ++q) _mm512_store_ps(dz[q], z[q]);

@@ -50,6 +50,7 @@ written independently of the vmapped path (they also check the parameter layout)
 """
 from __future__ import annotations
 
+import functools
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator, List, Optional, Tuple
@@ -363,17 +364,14 @@ def _mlp_local_steps(model: MLP, th: torch.Tensor, data: ClientData, batch_idx: 
 
 # ---- local_steps -------------------------------------------------------------------------------
 
-_NATIVE_MLP: list = []  # [the _core module or None], resolved on first use
-
-
+@functools.lru_cache(maxsize=None)
 def _native_mlp_module():
-    if not _NATIVE_MLP:
-        try:
-            from pflcore import _core
-            _NATIVE_MLP.append(_core if hasattr(_core, "mlp_local_steps") else None)
-        except ImportError:
-            _NATIVE_MLP.append(None)
-    return _NATIVE_MLP[0]
+    """The native module when it has the MLP kernel, else None (resolved once)."""
+    try:
+        from pflcore import _core
+    except ImportError:
+        return None
+    return _core if hasattr(_core, "mlp_local_steps") else None
 
 
 def _native_mlp_steps(model: TorchNet, theta_t: torch.Tensor, data: ClientData, batches_t: Optional[torch.Tensor],
