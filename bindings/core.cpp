@@ -7,12 +7,16 @@
 // native code). Passing addresses instead of numpy views keeps a small call cheap (a numpy view
 // of a tensor costs ~0.5 µs, an address ~0.05 µs). What the kernels find wrong in the values is
 // raised here, after the parallel region, as ValueError or pflcore.errors.NonFiniteError.
-#include <omp.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#if defined(PFLCORE_OPENMP)
+#include <omp.h>
+#endif
 
 #include <cstdint>
 #include <string>
 
+#include "../csrc/cpu/dispatch.h"
 #include "pflcore/ops_cpu.h"
 #include "pflcore_kernels.h"
 
@@ -203,6 +207,9 @@ void average_t(ptr_t theta, int64_t M, int64_t d, ptr_t weights, ptr_t rows, int
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
+  // A PFLCORE_CPU_CAPABILITY this build or CPU cannot follow: no silent fallback to another level.
+  if (std::string why = cpu::level_error(); !why.empty()) throw py::value_error(why);
+
   m.doc() = "pflcore CPU kernels (C++17/OpenMP). Called by pflcore.backends.native only: arguments are raw "
             "addresses of buffers whose shapes and dtypes it checked.";
 
@@ -288,12 +295,44 @@ PYBIND11_MODULE(_core, m) {
         "The CPU kernels as a C function table (pflcore/include/pflcore_kernels.h, ABI "
         "PFLCORE_KERNELS_ABI) in a PyCapsule named 'pflcore_kernel_table': for native code that calls them "
         "without Python, e.g. the JAX FFI shim");
+  m.def("cpu_capability", &cpu::level_in_use, "the CPU capability level whose kernels run: baseline, avx2, avx512 "
+        "(or native for a -march=native build)");
+  m.def("cpu_capabilities_built", &cpu::levels_built, "the levels compiled into this module, lowest first");
+  m.def("cpu_capabilities_supported", &cpu::levels_supported, "the built levels this CPU can run, lowest first");
+  m.def("set_cpu_capability",
+        [](const std::string& name) {
+          const std::string why = cpu::set_level(name);
+          if (!why.empty()) throw py::value_error("cpu capability: " + why);
+        },
+        "runs the kernels of another built level from the next call on (ValueError if the CPU lacks it)");
+  m.def("set_num_threads",
+        [](int n) {
+          require(n >= 1, "set_num_threads", "expected n >= 1, got " + std::to_string(n));
+#if defined(PFLCORE_OPENMP)
+          omp_set_num_threads(n);
+#endif
+        },
+        "the number of OpenMP threads of the kernels' parallel regions (this thread's setting)");
+  m.def("get_num_threads", []() {
+#if defined(PFLCORE_OPENMP)
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+  });
   m.def("build_info", []() {
     py::dict info;
     info["version"] = PFLCORE_VERSION;
+#if defined(PFLCORE_OPENMP)
     info["openmp_max_threads"] = omp_get_max_threads();
     info["openmp_version"] = _OPENMP;
-    info["arch_flags"] = PFLCORE_ARCH_FLAGS;
+#else
+    info["openmp_max_threads"] = 1;
+    info["openmp_version"] = py::none();
+#endif
+    info["cpu_capability"] = cpu::level_in_use();
+    info["cpu_capabilities_built"] = cpu::levels_built();
+    info["cpu_capabilities_supported"] = cpu::levels_supported();
     info["kernel_table_abi"] = PFLCORE_KERNELS_ABI;
 #if defined(__clang__)
     info["compiler"] = std::string("clang ") + __clang_version__;

@@ -180,3 +180,40 @@ def _requested(name: str, op: str, model, tensor, dev: str) -> Adapter:
 def _reset_cache() -> None:
     """Forget the automatic choices (tests that swap a backend's module)."""
     _auto_cache.clear()
+
+
+# ---- the native kernels' threads and CPU capability level -------------------------------------------
+
+def _native_module():
+    module = loaded("native")
+    if module is None:
+        raise RuntimeError(f"the native backend did not load: {adapter('native').describe()}")
+    return module
+
+
+def set_num_threads(n: int) -> None:
+    """Threads of the native kernels' OpenMP pool, from the next call on (``OMP_NUM_THREADS`` sets
+    the start value; torch's own pool is ``torch.set_num_threads``). Results do not depend on it."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n: expected an integer >= 1, got {n!r}")
+    _native_module().set_num_threads(n)
+
+
+def get_num_threads() -> int:
+    """Threads of the native kernels' OpenMP pool (1 in a build without OpenMP)."""
+    return int(_native_module().get_num_threads())
+
+
+def cpu_capability() -> str:
+    """The CPU capability level whose native kernels run: ``baseline``, ``avx2`` or ``avx512``
+    (DESIGN.md §9): the best this CPU has, or ``PFLCORE_CPU_CAPABILITY``'s."""
+    return str(_native_module().cpu_capability())
+
+
+def set_cpu_capability(level: str) -> None:
+    """Runs the native kernels of another level built into this binary, from the next call on;
+    ``ValueError`` naming the levels available when this CPU lacks ``level``. Results may differ
+    in the last bits between levels (other vector widths, other summation orders)."""
+    if not isinstance(level, str):
+        raise ValueError(f"level: expected one of {_native_module().cpu_capabilities_supported()}, got {level!r}")
+    _native_module().set_cpu_capability(level)

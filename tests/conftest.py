@@ -60,3 +60,23 @@ def _native_must_load():
     """The native backend is part of the build: a test run without it is a failure, not a skip."""
     ok, why = backend.status()["native"]
     assert ok, f"pflcore._core did not load: {why}"
+
+
+# ---- CPU capability levels (DESIGN.md §9) --------------------------------------------------------
+# A kernel test module opts in with `pytestmark = pytest.mark.usefixtures("cpu_level")`: its tests
+# then run once per level this CPU supports (baseline, avx2, avx512), so every copy of the kernels
+# is checked against the reference, not only the one the CPU would choose. Subprocesses started
+# by such a test follow the level through PFLCORE_CPU_CAPABILITY.
+def _cpu_levels():
+    import pflcore._core as core
+    return core.cpu_capabilities_supported()
+
+
+@pytest.fixture(params=_cpu_levels())
+def cpu_level(request, monkeypatch):
+    import pflcore._core as core
+    before = core.cpu_capability()
+    core.set_cpu_capability(request.param)
+    monkeypatch.setenv("PFLCORE_CPU_CAPABILITY", request.param)
+    yield request.param
+    core.set_cpu_capability(before)

@@ -9,6 +9,9 @@ from hypothesis import given, settings, strategies as st
 from conftest import DTYPES
 from pflcore import backend, ops
 
+# every test once per CPU capability level this CPU runs (conftest.py: cpu_level)
+pytestmark = pytest.mark.usefixtures("cpu_level")
+
 
 @settings(max_examples=50, deadline=None)
 @given(k=st.integers(1, 7), D=st.integers(1, 300), seed=st.integers(0, 10**6),

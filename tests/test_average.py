@@ -7,6 +7,9 @@ import torch
 from conftest import DTYPES
 from pflcore import ops
 
+# every test once per CPU capability level this CPU runs (conftest.py: cpu_level)
+pytestmark = pytest.mark.usefixtures("cpu_level")
+
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m,d", [(1, 1), (7, 13), (300, 1031)])

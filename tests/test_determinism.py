@@ -5,6 +5,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+# every test once per CPU capability level this CPU runs (conftest.py: cpu_level)
+pytestmark = pytest.mark.usefixtures("cpu_level")
+
 SCRIPT = r"""
 import hashlib, torch
 from pflcore import ClientData, models, ops

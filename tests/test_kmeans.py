@@ -10,6 +10,9 @@ from hypothesis.extra import numpy as hnp
 from conftest import DTYPES, TOL
 from pflcore import backend, ops
 
+# every test once per CPU capability level this CPU runs (conftest.py: cpu_level)
+pytestmark = pytest.mark.usefixtures("cpu_level")
+
 
 def brute_force(points: np.ndarray, centroids: np.ndarray):
     """Independent of the library: float64 distances, first minimum."""

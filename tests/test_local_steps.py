@@ -9,6 +9,9 @@ import torch
 from conftest import DTYPES, TOL, make_data, make_model, random_sizes
 from pflcore import ops
 
+# every test once per CPU capability level this CPU runs (conftest.py: cpu_level)
+pytestmark = pytest.mark.usefixtures("cpu_level")
+
 # (family, p, C): p not a multiple of the vector width, C = 1, 2, 10.
 CASES = [("least_squares", 1, 1), ("least_squares", 17, 1), ("logistic", 3, 1), ("logistic", 61, 1),
          ("softmax", 1, 2), ("softmax", 17, 10), ("softmax", 61, 10), ("softmax", 3, 2)]

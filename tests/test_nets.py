@@ -433,7 +433,7 @@ def test_evaluate_of_clients_cut_into_blocks_matches_reference(net_factory):
 
 
 @pytest.mark.parametrize("p,hidden,C", [(60, 100, 10), (7, 5, 2), (13, 37, 3), (9, 128, 16), (5, 16, 11), (6, 129, 4)])
-def test_native_mlp_steps_match_reference(p, hidden, C, monkeypatch):
+def test_native_mlp_steps_match_reference(p, hidden, C, monkeypatch, cpu_level):
     """A one-hidden-layer float32 MLP's minibatch steps run in csrc/cpu/mlp.cpp where the build has
     AVX-512 (hidden <= 128, C <= 16): against the reference for every option (l2, prox with a
     per-row or shared anchor, grad_scale, minibatches of 1 and 4 rows and one not a multiple of 4,

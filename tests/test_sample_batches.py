@@ -1,11 +1,15 @@
 """sample_batches: the counter-based hash of DESIGN.md §4, identical in C++ and torch."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from conftest import make_data, make_model, random_sizes
 from pflcore import ops
 from pflcore.backends.reference import murmur3_words as _murmur3_words
+
+# every test once per CPU capability level this CPU runs (conftest.py: cpu_level)
+pytestmark = pytest.mark.usefixtures("cpu_level")
 
 
 def _murmur3_bytes(data: bytes, seed: int = 0) -> int:

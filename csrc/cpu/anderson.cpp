@@ -10,6 +10,7 @@
 #include "pflcore/ops_cpu.h"
 
 namespace pflcore::cpu {
+PFLCORE_LEVEL_BEGIN
 namespace {
 constexpr int64_t kBlock = 8192;
 // One block (D <= kBlock) runs on the calling thread: waking the team for it costs more than
@@ -176,4 +177,5 @@ template void anderson_mix<double>(const double*, int64_t, const int64_t*, const
 template void gram<float>(const float*, int64_t, int64_t, double*);
 template void gram<double>(const double*, int64_t, int64_t, double*);
 
+PFLCORE_LEVEL_END
 }  // namespace pflcore::cpu

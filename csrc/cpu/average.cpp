@@ -6,6 +6,7 @@
 #include "pflcore/ops_cpu.h"
 
 namespace pflcore::cpu {
+PFLCORE_LEVEL_BEGIN
 
 template <typename T>
 void average(const T* theta, int64_t M, const T* weights, const int64_t* rows, int64_t R, int64_t d, T* out,
@@ -60,4 +61,5 @@ template void average<float>(const float*, int64_t, const float*, const int64_t*
 template void average<double>(const double*, int64_t, const double*, const int64_t*, int64_t, int64_t, double*,
                               Faults&);
 
+PFLCORE_LEVEL_END
 }  // namespace pflcore::cpu

@@ -18,6 +18,7 @@
 #include "pflcore/ops_cpu.h"
 
 namespace pflcore::cpu {
+PFLCORE_LEVEL_BEGIN
 namespace {
 
 constexpr int64_t kLanes = 16;               // chunk widths are multiples of this
@@ -834,4 +835,5 @@ template void evaluate<float>(const GlmProblem<float>&, const float*, int64_t, c
 template void evaluate<double>(const GlmProblem<double>&, const double*, int64_t, const int32_t*, int64_t, double*,
                                int64_t*, int64_t*, Faults&);
 
+PFLCORE_LEVEL_END
 }  // namespace pflcore::cpu

@@ -23,7 +23,9 @@
 
 #include "glm_minibatch_avx512.h"
 
-namespace pflcore::cpu::minibatch {
+namespace pflcore::cpu {
+PFLCORE_LEVEL_BEGIN
+namespace minibatch {
 
 // Rows per block: each load of W[k, :] serves kRows rows, and kRows·CP accumulators keep both
 // FMA pipes busy (4 rows of one 16-float register each left them waiting on FMA latency).
@@ -273,9 +275,13 @@ T loss_and_hits(const T* x, int64_t p, const int64_t* y, bool intercept, int64_t
   return loss;
 }
 
-}  // namespace pflcore::cpu::minibatch
+}  // namespace minibatch
+PFLCORE_LEVEL_END
+}  // namespace pflcore::cpu
 
-namespace pflcore::cpu::minibatch {
+namespace pflcore::cpu {
+PFLCORE_LEVEL_BEGIN
+namespace minibatch {
 
 // Calls fn(std::integral_constant<int64_t, CP>) for the padded class count CP of C classes;
 // false (nothing called) when C needs more than 4 registers: the column path takes it.
@@ -294,4 +300,6 @@ inline bool with_padded_classes(int64_t C, Fn fn) {
   return true;
 }
 
-}  // namespace pflcore::cpu::minibatch
+}  // namespace minibatch
+PFLCORE_LEVEL_END
+}  // namespace pflcore::cpu

@@ -26,9 +26,13 @@
 #include <cmath>
 #include <cstdint>
 
+#include "pflcore/cpu_level.h"
+
 #define PFLCORE_ROWPATH_AVX512 1
 
-namespace pflcore::cpu::minibatch::avx512 {
+namespace pflcore::cpu {
+PFLCORE_LEVEL_BEGIN
+namespace minibatch::avx512 {
 
 #define PFLCORE_ALWAYS_INLINE inline __attribute__((always_inline))
 
@@ -430,6 +434,8 @@ inline void store_unpadded(float* __restrict__ dst, const float* __restrict__ sr
 
 #undef PFLCORE_ALWAYS_INLINE
 
-}  // namespace pflcore::cpu::minibatch::avx512
+}  // namespace minibatch::avx512
+PFLCORE_LEVEL_END
+}  // namespace pflcore::cpu
 
 #endif

@@ -15,6 +15,7 @@
 #include "pflcore/ops_cpu.h"
 
 namespace pflcore::cpu {
+PFLCORE_LEVEL_BEGIN
 namespace {
 
 // Dot products of 2 points with 4 centroids, sharing every load.
@@ -189,4 +190,5 @@ template void kmeans_update<float>(const float*, const int64_t*, const float*, i
 template void kmeans_update<double>(const double*, const int64_t*, const double*, int64_t, int64_t, int64_t,
                                     double*, double*, Faults&);
 
+PFLCORE_LEVEL_END
 }  // namespace pflcore::cpu

@@ -22,6 +22,7 @@
 #include <vector>
 
 namespace pflcore::cpu {
+PFLCORE_LEVEL_BEGIN
 
 #ifdef PFLCORE_ROWPATH_AVX512
 namespace {
@@ -247,4 +248,5 @@ void mlp_local_steps(float*, int64_t, int64_t, int64_t, int64_t, float, const fl
 
 #endif
 
+PFLCORE_LEVEL_END
 }  // namespace pflcore::cpu

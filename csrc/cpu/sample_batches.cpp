@@ -3,6 +3,7 @@
 #include "pflcore/ops_cpu.h"
 
 namespace pflcore::cpu {
+PFLCORE_LEVEL_BEGIN
 
 void sample_batches(const int64_t* offsets, int64_t m, int64_t N, const int64_t* clients, int64_t first_id,
                     int64_t R, int64_t steps, int64_t B, uint32_t seed, uint32_t counter, int32_t* out,
@@ -23,4 +24,5 @@ void sample_batches(const int64_t* offsets, int64_t m, int64_t N, const int64_t*
   }
 }
 
+PFLCORE_LEVEL_END
 }  // namespace pflcore::cpu

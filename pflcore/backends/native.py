@@ -33,7 +33,13 @@ class NativeAdapter(Adapter):
                 raise  # a dependency of pflcore itself is missing: not a backend question
             return None, ("not built: pflcore._core is missing from this installation; "
                           "reinstall with `pip install .` from the source tree")
-        except (ImportError, OSError) as exc:  # the file is there but does not load
+        except ImportError as exc:
+            if str(exc).startswith("PFLCORE_CPU_CAPABILITY"):
+                # asked for a level this build or CPU cannot run: an error, not a silent fallback
+                raise ValueError(str(exc)) from None
+            return None, (f"built, but pflcore._core failed to load ({type(exc).__name__}: {exc}); "
+                          f"rebuild it against this Python and torch (`pip install .`)")
+        except OSError as exc:  # the file is there but does not load
             return None, (f"built, but pflcore._core failed to load ({type(exc).__name__}: {exc}); "
                           f"rebuild it against this Python and torch (`pip install .`)")
         self._core = module
@@ -44,8 +50,11 @@ class NativeAdapter(Adapter):
         if module is None:
             return reason
         info = module.build_info()
-        return (f"C++/OpenMP, {info['openmp_max_threads']} threads, {info.get('compiler', '?')}, "
-                f"{info['arch_flags'] or 'generic arch'}")
+        threads = (f"OpenMP, {info['openmp_max_threads']} threads" if info["openmp_version"]
+                   else "no OpenMP (built serial: one thread)")
+        return (f"C++, {threads}, {info.get('compiler', '?')}, CPU capability {info['cpu_capability']} "
+                f"(built: {', '.join(info['cpu_capabilities_built'])}; "
+                f"this CPU: {', '.join(info['cpu_capabilities_supported'])})")
 
     # ---- model ops (GLMs only: nets go to the nets adapter) ----------------------------------
 

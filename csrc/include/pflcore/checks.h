@@ -22,6 +22,8 @@
 #include <type_traits>
 #include <string>
 
+#include "pflcore/cpu_level.h"
+
 namespace pflcore {
 
 enum class FaultKind : int { None = 0, Value = 1, NonFinite = 2 };
@@ -34,20 +36,8 @@ class Faults {
   const std::string& message() const { return message_; }
 
   // Records a fault found while working on `key` (a model row, a point); keeps the smallest key.
-  void add(int64_t key, FaultKind kind, const char* fmt, ...) __attribute__((format(printf, 4, 5))) {
-    char buf[512];
-    va_list ap;
-    va_start(ap, fmt);
-    std::vsnprintf(buf, sizeof buf, fmt, ap);
-    va_end(ap);
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!any_.load(std::memory_order_relaxed) || key < key_) {
-      key_ = key;
-      kind_ = kind;
-      message_ = buf;
-    }
-    any_.store(true, std::memory_order_relaxed);
-  }
+  // Defined once, in the baseline code (csrc/cpu/dispatch.cpp), for every level.
+  void add(int64_t key, FaultKind kind, const char* fmt, ...) __attribute__((format(printf, 4, 5)));
 
  private:
   std::atomic<bool> any_{false};
@@ -58,6 +48,8 @@ class Faults {
 };
 
 using ll = long long;  // for printf's %lld
+
+PFLCORE_LEVEL_BEGIN
 
 // True when every v[0..n) is finite: a NaN or ±inf has every exponent bit set. The test runs on
 // the bits, OR-ed together: a floating-point sum (v − v summed, as before) chains one add's
@@ -99,4 +91,5 @@ inline bool client_of_row(const int64_t* rows, const int64_t* offsets, int64_t m
   return true;
 }
 
+PFLCORE_LEVEL_END
 }  // namespace pflcore

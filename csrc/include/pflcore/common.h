@@ -3,6 +3,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "pflcore/cpu_level.h"
+
 #if defined(__CUDACC__)
 #define PFL_HD __host__ __device__ __forceinline__
 #else
@@ -15,6 +17,8 @@ namespace pflcore {
 // part of the Python <-> C++ contract (pflcore/models/glm.py: FAMILY_CODE).
 enum class Family : int { LeastSquares = 0, Logistic = 1, Softmax = 2 };
 
+PFLCORE_LEVEL_BEGIN
+
 // exp/log overloads that resolve to the single- or double-precision math
 // function on both host and device.
 PFL_HD float pfl_exp(float v) { return expf(v); }
@@ -23,5 +27,7 @@ PFL_HD float pfl_log(float v) { return logf(v); }
 PFL_HD double pfl_log(double v) { return log(v); }
 PFL_HD float pfl_log1p(float v) { return log1pf(v); }
 PFL_HD double pfl_log1p(double v) { return log1p(v); }
+
+PFLCORE_LEVEL_END
 
 }  // namespace pflcore

@@ -7,6 +7,7 @@
 #include "pflcore/common.h"
 
 namespace pflcore {
+PFLCORE_LEVEL_BEGIN
 
 // Label type of a family: float targets for least squares, int64 classes otherwise.
 template <Family F, typename T>
@@ -80,4 +81,5 @@ PFL_HD int64_t is_correct(const T* z, int64_t C, label_t<F, T> y) {
   }
 }
 
+PFLCORE_LEVEL_END
 }  // namespace pflcore

@@ -8,6 +8,7 @@
 #include "pflcore/common.h"
 
 namespace pflcore {
+PFLCORE_LEVEL_BEGIN
 
 PFL_HD uint32_t rotl32(uint32_t v, int r) { return (v << r) | (v >> (32 - r)); }
 
@@ -46,4 +47,5 @@ PFL_HD int64_t scale_to(uint32_t h, int64_t n) {
   return static_cast<int64_t>((static_cast<uint64_t>(h) * static_cast<uint64_t>(n)) >> 32);
 }
 
+PFLCORE_LEVEL_END
 }  // namespace pflcore

@@ -43,6 +43,10 @@ struct LocalStepsArgs {
   T prox;
 };
 
+// The kernels: in a kernel source, those of its level; elsewhere the dispatcher's
+// (csrc/cpu/dispatch.cpp), which calls the level in use.
+PFLCORE_LEVEL_BEGIN
+
 template <typename T>
 void local_steps(const GlmProblem<T>& prob, const LocalStepsArgs<T>& args, Faults& faults);
 
@@ -116,4 +120,5 @@ void mlp_local_steps(float* theta /*[R, d]*/, int64_t R, int64_t p, int64_t H, i
                      int64_t steps, int64_t B, const float* anchor /*[R, d], [d] or null*/, bool anchor_shared,
                      const float* grad_scale /*[R] or null*/, float lr, float prox);
 
+PFLCORE_LEVEL_END
 }  // namespace pflcore::cpu

@@ -1,0 +1,30 @@
+// This level's copy of the kernels as a table (compiled once per level, like the kernels).
+#include "dispatch.h"
+
+namespace pflcore::cpu {
+PFLCORE_LEVEL_BEGIN
+
+const KernelTable& level_table() {
+  static const KernelTable table = [] {
+    KernelTable t{};
+    t.level = PFLCORE_CPU_LEVEL_NAME;
+    t.local_steps = {local_steps<float>, local_steps<double>};
+    t.gradients = {gradients<float>, gradients<double>};
+    t.evaluate = {evaluate<float>, evaluate<double>};
+    t.kmeans_assign = {kmeans_assign<float>, kmeans_assign<double>};
+    t.kmeans_update = {kmeans_update<float>, kmeans_update<double>};
+    t.anderson_push = {anderson_push<float>, anderson_push<double>};
+    t.anderson_mix = {anderson_mix<float>, anderson_mix<double>};
+    t.gram = {gram<float>, gram<double>};
+    t.average = {average<float>, average<double>};
+    t.anderson_solve = anderson_solve;
+    t.sample_batches = sample_batches;
+    t.mlp_local_steps_supported = mlp_local_steps_supported;
+    t.mlp_local_steps = mlp_local_steps;
+    return t;
+  }();
+  return table;
+}
+
+PFLCORE_LEVEL_END
+}  // namespace pflcore::cpu
