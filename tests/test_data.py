@@ -1,6 +1,8 @@
 """Synthetic generators and partitioners (DESIGN.md §6): determinism, layout, truth, errors."""
 from __future__ import annotations
 
+from decimal import Decimal, localcontext
+
 import numpy as np
 import pytest
 import torch
@@ -52,6 +54,27 @@ def _accuracy(model, fed, split="train"):
     return correct, count
 
 
+def _assert_labels_decided(fed, intercept: bool):
+    """Every row's logits under the client's true model (x W_k + b_k, or xᵀw_k for one column) are
+    farther from a tie — the top two apart, or the one logit from 0 — than 4·γ·S, S the largest
+    Σ|terms| summed into a logit and γ = n·2⁻²⁴/(1 − n·2⁻²⁴) (n terms) the worst rounding of a
+    float32 sum in any order. So any evaluation in float32 or float64 (any BLAS, kernel or SIMD
+    width) finds the stored labels, and the exact-label checks below hold on every machine:
+    the data are the same bits everywhere (tests/test_data_memory.py), so is this margin."""
+    p = fed.num_features
+    n = p + 1 + intercept
+    gamma = n * 2.0 ** -24 / (1 - n * 2.0 ** -24)
+    for split in (fed.train, fed.test):
+        for k in range(fed.num_clients):
+            x, _ = split.client(k)
+            x, t = x.double(), fed.truth[k].double()
+            W = t.view(p + 1, -1) if intercept else t.view(p, -1)
+            z = x @ W[:p] + (W[p] if intercept else 0.0)
+            S = x.abs() @ W[:p].abs() + (W[p].abs() if intercept else 0.0)
+            gap = (z.topk(2, dim=1).values.diff(dim=1).neg()[:, 0] if z.shape[1] > 1 else z[:, 0].abs())
+            assert bool((gap > 4 * gamma * S.max(dim=1).values).all()), f"client {k}: a row's logits nearly tie"
+
+
 # ----------------------------------------------------------------------------- all generators
 
 @pytest.mark.parametrize("gen", sorted(SMALL))
@@ -99,6 +122,7 @@ def test_layout_dtypes_meta(gen, dtype):
 def test_synthetic_labels_are_argmax_of_truth():
     fed = data.synthetic(1.0, 1.0, num_clients=10, dim=12, num_classes=5, size_scale=2, max_size=400, seed=1)
     assert fed.truth_global is None
+    _assert_labels_decided(fed, intercept=True)
     for k, (x, y) in enumerate(_rows(fed)):
         Wb = fed.truth[k].double().view(13, 5)  # [W_k; b_k], intercept row last
         assert torch.equal(y, torch.argmax(x.double() @ Wb[:12] + Wb[12], dim=1))
@@ -114,7 +138,16 @@ def test_synthetic_sizes():
     fed = data.synthetic(0.5, 0.5, num_clients=m, dim=3, num_classes=3, size_scale=scale, seed=5)
     sizes = (fed.train.sizes + fed.test.sizes).numpy()
     # The sizes are the first draw of the generator's stream (documented order).
-    expected = (np.random.default_rng(5).lognormal(4, 2, m).astype(np.int64) + 50) * scale
+    # floor(L) with L = e^t, t ~ N(4, 2) (numpy's lognormal(4, 2) draws these t), computed exactly:
+    # numpy's lognormal(...).astype(int) is the same except where libm's e^t is within an ulp of
+    # an integer, which differs between libms.
+    t = np.random.default_rng(5).normal(4.0, 2.0, m)
+    with localcontext() as ctx:
+        ctx.prec = 50
+        floor = [int(Decimal(float(v)).exp().to_integral_value(rounding="ROUND_FLOOR")) for v in t]
+    expected = (np.array(floor, dtype=np.int64) + 50) * scale
+    np.testing.assert_allclose(expected, (np.random.default_rng(5).lognormal(4, 2, m).astype(np.int64) + 50) * scale,
+                               rtol=0, atol=scale)
     np.testing.assert_array_equal(sizes, expected)
     capped = data.synthetic(0.5, 0.5, num_clients=m, dim=3, num_classes=3, size_scale=scale, seed=5, max_size=200)
     np.testing.assert_array_equal((capped.train.sizes + capped.test.sizes).numpy(), np.minimum(expected, 200))
@@ -145,6 +178,7 @@ def test_synthetic_iid_shares_one_model():
 
 def test_logistic_argmax_truth_classifies_all():
     fed = data.logistic_truth(num_clients=6, samples_per_client=300, dim=8, R=2.0, labels="argmax", seed=1)
+    _assert_labels_decided(fed, intercept=False)
     model = models.Logistic(8, fit_intercept=False)
     for split in ("train", "test"):
         correct, count = _accuracy(model, fed, split)
@@ -201,6 +235,7 @@ def test_two_groups_truth_classifies_all():
     w = fed.truth[0]
     assert abs(float(w.norm()) - 1) < 1e-6
     assert torch.equal(fed.truth[:3], w.expand(3, 10)) and torch.equal(fed.truth[3:], -w.expand(4, 10))
+    _assert_labels_decided(fed, intercept=False)
     model = models.Logistic(10, fit_intercept=False)
     for split in ("train", "test"):
         correct, count = _accuracy(model, fed, split)
@@ -222,6 +257,7 @@ def test_contexts_clients_of_a_context_share_their_model():
     sizes = fed.train.sizes + fed.test.sizes
     assert int(sizes.min()) >= 20 and int(sizes.max()) <= 40
     model = models.Softmax(8, 4)
+    _assert_labels_decided(fed, intercept=True)
     correct, count = _accuracy(model, fed, "train")
     assert torch.equal(correct, count)  # labels are the argmax of the stored truth
     again = data.contexts(num_clients=10, num_contexts=3, dim=8, num_classes=4, sizes=(20, 40), seed=3)

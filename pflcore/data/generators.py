@@ -6,18 +6,39 @@ rounding them to ``dtype``, so the stored ``truth`` is exactly consistent with t
 Each client's rows are i.i.d.; its first ``round(n_k·(1 − test_fraction))`` rows (at least one,
 and at least one fewer than n_k) are its training rows, the rest its test rows.
 
+Same bits on every machine: what a generator computes from its random draws goes through
+elementwise IEEE operations only (+, −, ×, /, sqrt, casts), whose results do not depend on the
+CPU, the BLAS or the libm, so that a federation (and ``checkpoint.federation_digest``, which a
+``resume`` checks) is the same on any x86/ARM machine with the same numpy. Not used: BLAS
+products (matmul, dot, norm: OpenBLAS picks its kernel, and with it the summation order, by CPU),
+reductions whose order follows the SIMD width, and libm's or numpy's exp/log/pow (glibc has
+FMA and non-FMA variants, numpy AVX-512 ones: their last bits differ). So:
+
+- x·w (labels, regression targets) is accumulated over the features j = 0, 1, … in this order
+  by elementwise multiplies and adds (``_linear``);
+- Σ = diag(j^{-1.2}) is computed in decimal arithmetic (libmpdec, software) and rounded once;
+- the few results that are a transcendental function of a draw — the lognormal sizes
+  floor(e^t) and the Bernoulli labels 1[u < σ(z)] — are decided exactly: by the float value
+  where it is farther from the decision boundary than any libm's error, in decimal otherwise.
+  (These are the same results as the float formulas except for a draw within ~1e-10 of the
+  boundary.)
+numpy's normal sampler itself calls libm's exp in its ziggurat's rejection test; a last-bit
+difference there changes a draw only when a uniform falls within one ulp of the test's bound.
+
 Memory: the outputs (features, labels, truth) are allocated once in the output dtype and
 filled a block of clients at a time, so a float64 temporary never holds more than about
 ``_BLOCK`` values (8 MB) whatever the number of clients; peak memory is the federation's
 bytes plus the per-client float64 parameters a generator needs until its last row (e.g.
 synthetic's feature means, m·dim values). The random numbers are drawn in the same order and
 with the same calls as when everything was drawn at once (numpy's Generator streams do not
-depend on how a draw is cut into pieces), and every label is computed by the same operation on
-the same operands, so the outputs are the same bits as before the blocking
-(tests/test_data_memory.py holds digests of the earlier outputs).
+depend on how a draw is cut into pieces), and every value is computed elementwise from the same
+operands in the same order, so the outputs are the same bits whatever the block size
+(tests/test_data_memory.py).
 """
 from __future__ import annotations
 
+import decimal
+import functools
 import math
 import os
 from typing import Iterator, Optional, Tuple
@@ -61,9 +82,89 @@ def _check_fraction(test_fraction) -> float:
     return f
 
 
+# Decimal arithmetic for the few transcendental values: precision far beyond float64's, and
+# exponents wide enough that no exp/ln here overflows.
+_DECIMAL = decimal.Context(prec=40, Emax=decimal.MAX_EMAX, Emin=decimal.MIN_EMIN)
+
+
+@functools.lru_cache(maxsize=8)
+def _diag_cov_cached(dim: int) -> np.ndarray:
+    with decimal.localcontext(_DECIMAL):
+        e = decimal.Decimal(-1.2)  # the float -1.2 exactly, the exponent of the earlier ``** -1.2``
+        out = np.array([float((e * decimal.Decimal(j).ln()).exp()) for j in range(1, dim + 1)], dtype=np.float64)
+    out.setflags(write=False)
+    return out
+
+
 def _diag_cov(dim: int) -> np.ndarray:
-    """Σ = diag(j^{-1.2}), j = 1..dim (Li et al.)."""
-    return np.arange(1, dim + 1, dtype=np.float64) ** -1.2
+    """Σ = diag(j^{-1.2}), j = 1..dim (Li et al.), each j^{-1.2} computed in 40-digit decimal
+    arithmetic and rounded to float64: the same bits on every machine (``j ** -1.2`` goes through
+    libm's or numpy's SIMD pow, whose last bit differs between CPUs). About 40 µs per feature,
+    once per dim in a process."""
+    return _diag_cov_cached(int(dim))
+
+
+def _linear(x: np.ndarray, W: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """z = x W_k (+ b_k) row by row for the clients of a block, in float64: ``x [Σ sizes, dim]``
+    their rows, ``W [k, dim, C]`` or ``[k, dim + 1, C]`` (intercept row last) their models;
+    returns ``z`` transposed, ``[C, Σ sizes]``.
+
+    Accumulated over the features in a fixed order, z = ((x_0 w_0 + x_1 w_1) + x_2 w_2) + … (+ b),
+    with elementwise multiplies and adds only: every element is rounded the same way on every
+    machine (a BLAS product or a SIMD reduction sums in an order that depends on the CPU).
+    Class-major so that every operation runs along a client's rows (contiguous)."""
+    rows, dim = x.shape
+    k, _, C = W.shape
+    xt = np.ascontiguousarray(x.T)  # [dim, rows]: one feature's values contiguous
+    Wt = np.ascontiguousarray(W.transpose(1, 2, 0))  # [dim(+1), C, k]
+    if np.all(sizes == sizes[0]):
+        n = int(sizes[0])
+        col = lambda j: xt[j].reshape(1, k, n)  # noqa: E731
+        coef = lambda j: Wt[j][:, :, None]  # noqa: E731  [C, k, 1], broadcast over a client's rows
+        shape = (C, k, n)
+    else:
+        col = lambda j: xt[j]  # noqa: E731
+        coef = lambda j: np.repeat(Wt[j], sizes, axis=1)  # noqa: E731  [C, rows], client k's column sizes[k] times
+        shape = (C, rows)
+    z = np.empty(shape)
+    np.multiply(col(0), coef(0), out=z)
+    term = np.empty(shape)
+    for j in range(1, dim):
+        np.multiply(col(j), coef(j), out=term)
+        z += term
+    if W.shape[1] > dim:
+        z += coef(dim)
+    return z.reshape(C, rows)
+
+
+def _floor_exp(t: np.ndarray) -> np.ndarray:
+    """floor(e^t) as int64, exactly: the float e^t where it is farther from an integer than any
+    libm's error, else decided in decimal (t ≥ ln r or not, r the nearest integer). Values of
+    2^52 and beyond are cast as they are (no federation holds that many rows per client)."""
+    e = np.exp(t)
+    out = e.astype(np.int64)
+    r = np.rint(e)
+    near = np.nonzero((np.abs(e - r) <= 1e-10 * e) & (e < 2.0 ** 52))[0]
+    with decimal.localcontext(_DECIMAL):
+        for i in near.tolist():
+            ri = int(r[i])
+            out[i] = ri if ri == 0 or decimal.Decimal(float(t[i])) >= decimal.Decimal(ri).ln() else ri - 1
+    return out
+
+
+def _bernoulli(u: np.ndarray, z: np.ndarray) -> np.ndarray:
+    """y = 1[u < σ(z)] as int64, exactly: by the float σ(z) where u is farther from it than any
+    libm's error (relative 1e-10), else in decimal (u·(1 + e^{−z}) < 1). Non-finite z: the float
+    rule (σ(+inf) = 1, σ(−inf) = 0)."""
+    p = np.exp(-np.logaddexp(0.0, -z))  # σ(z) = exp(−log(1 + e^{−z})), without overflow for large |z|
+    y = (u < p).astype(np.int64)
+    near = np.nonzero((np.abs(u - p) <= 1e-10 * p + 1e-300) & np.isfinite(z))[0]
+    with decimal.localcontext(_DECIMAL):
+        for i in near.tolist():
+            ui = float(u[i])
+            # σ(z) > 0 for finite z, so u = 0 always draws 1 (and e^{−z} may not fit a decimal then).
+            y[i] = 1 if ui == 0.0 else int(decimal.Decimal(ui) * (1 + (-decimal.Decimal(float(z[i]))).exp()) < 1)
+    return y
 
 
 def _check_memory(nbytes: int, names: str) -> None:
@@ -101,21 +202,9 @@ def _fill_rows(out: np.ndarray, width: int, draw) -> None:
 
 def _argmax_labels(x: np.ndarray, Wb: np.ndarray, sizes: np.ndarray, dim: int, C: int) -> np.ndarray:
     """y = argmax(x W_k + b_k) row by row for the clients of a block: ``x [Σ sizes, dim]`` their
-    rows, ``Wb [k, (dim+1)·C]`` their [W_k; b_k] (float64). One matrix product per client, the
-    same call with the same operands as when all rows were generated at once."""
-    if np.all(sizes == sizes[0]):
-        # One stacked matmul: numpy runs the same BLAS call per client (same shapes and strides)
-        # without a Python iteration each (1M clients: seconds).
-        k, n = sizes.size, int(sizes[0])
-        W = Wb.reshape(k, dim + 1, C)
-        return np.argmax(np.matmul(x.reshape(k, n, dim), W[:, :dim]) + W[:, dim:], axis=2).reshape(-1)
-    y = np.empty(x.shape[0], np.int64)
-    lo = 0
-    for k, n in enumerate(sizes.tolist()):
-        W = Wb[k].reshape(dim + 1, C)
-        y[lo:lo + n] = np.argmax(x[lo:lo + n] @ W[:dim] + W[dim], axis=1)
-        lo += n
-    return y
+    rows, ``Wb [k, (dim+1)·C]`` their [W_k; b_k] (float64). The logits in ``_linear``'s fixed
+    order, so the same labels on every machine (the first class of a tie)."""
+    return np.argmax(_linear(x, Wb.reshape(-1, dim + 1, C), sizes), axis=0)
 
 
 class _Rows:
@@ -235,7 +324,8 @@ def synthetic(alpha: float, beta: float, num_clients: int = 100, dim: int = 60, 
     _check_memory(_federation_bytes(m * least, m, dim, (dim + 1) * C, npd), names)
 
     rng = np.random.default_rng(seed)
-    sizes = (rng.lognormal(4, 2, m).astype(np.int64) + 50) * size_scale
+    # lognormal(4, 2) = e^{N(4, 2)}: numpy draws the same normals for both, and floor(e^t) exactly
+    sizes = (_floor_exp(rng.normal(4.0, 2.0, m)) + 50) * size_scale
     if max_size is not None:
         sizes = np.minimum(sizes, max_size)
     _check_memory(_federation_bytes(int(sizes.sum()), m, dim, (dim + 1) * C, npd), names)
@@ -309,22 +399,28 @@ def logistic_truth(num_clients: int = 10, samples_per_client: int = 2000, dim: i
     z = np.empty(m * n) if labels == "sample" else None  # x_iᵀw_k, until all features are drawn
     for k0, k1, r0, r1 in rows.blocks():
         x = rows.features(k0, k1, v[k0:k1], rng.standard_normal((r1 - r0, dim)), npd, scale)
-        zb = np.einsum("knp,kp->kn", x.reshape(k1 - k0, n, dim), w[k0:k1]).reshape(-1)
+        zb = _linear(x, w[k0:k1, :, None], rows.sizes[k0:k1])[0]
         if z is None:
             rows.put(k0, k1, (zb > 0).astype(np.int64), rows.y)
         else:
             z[r0:r1] = zb
     if z is not None:  # the Bernoulli draws come after all the features' draws
         for k0, k1, r0, r1 in rows.blocks():
-            # σ(z) = exp(−log(1 + e^{−z})), without overflow for large |z|.
-            p = np.exp(-np.logaddexp(0.0, -z[r0:r1]))
-            rows.put(k0, k1, (rng.random(r1 - r0) < p).astype(np.int64), rows.y)
-    w_bar = w.mean(axis=0)
+            rows.put(k0, k1, _bernoulli(rng.random(r1 - r0), z[r0:r1]), rows.y)
+    # w̄ = (Σ_k w_k) / m, summed in client order (elementwise adds: the same bits on every machine)
+    w_bar = np.zeros(dim)
+    for lo, hi in _blocks(m, dim):
+        w_bar = np.add.accumulate(np.concatenate([w_bar[None], w[lo:hi]]), axis=0)[-1]
+    w_bar /= m
+    sq = np.zeros(m)  # ‖w_k − w̄‖², summed over j in order
+    for j in range(dim):
+        d = w[:, j] - w_bar[j]
+        sq += d * d
 
     meta = dict(generator="logistic_truth", num_clients=m, samples_per_client=n, dim=dim, R=R, seed=seed,
                 labels=labels, test_fraction=test_fraction, model=f"Logistic(p={dim}, fit_intercept=False)",
                 truth_global="mean of client models",
-                heterogeneity=float(((w - w_bar) ** 2).sum(axis=1).mean()))
+                heterogeneity=math.fsum(sq.tolist()) / m)  # fsum: exactly rounded, any order
     return rows.federation(dtype, 2, truth, w_bar.astype(npd), f"logistic_truth(R={R:g}, labels={labels})", meta,
                            "R")
 
@@ -359,7 +455,7 @@ def least_squares(num_clients: int = 25, samples_per_client: int = 5000, dim: in
     b = np.empty(m * n)  # a_iᵀw*_k, until all rows are drawn
     for k0, k1, r0, r1 in rows.blocks():
         A = rows.features(k0, k1, None, rng.normal(0.0, 1.0, (r1 - r0, dim)), npd)
-        b[r0:r1] = np.einsum("knp,kp->kn", A.reshape(k1 - k0, n, dim), w[k0:k1]).reshape(-1)
+        b[r0:r1] = _linear(A, w[k0:k1, :, None], rows.sizes[k0:k1])[0]
     sd = math.sqrt(noise_var)
     for k0, k1, r0, r1 in rows.blocks():  # the noise draws come after all the rows' draws
         rows.put(k0, k1, (b[r0:r1] + rng.normal(0.0, sd, r1 - r0)).astype(npd), rows.y)
@@ -400,14 +496,14 @@ def two_groups(num_clients: int = 50, samples_per_client: int = 100, dim: int = 
 
     rng = np.random.default_rng(seed)
     g = rng.normal(0.0, 1.0, dim)
-    w = g / np.linalg.norm(g)
+    w = g / math.sqrt(math.fsum((g * g).tolist()))  # ‖g‖ from the exactly rounded Σ g_j² (not BLAS's dot)
     groups = (np.arange(m) >= m // 2).astype(np.int64)
     sign = 1.0 - 2.0 * groups  # +1 for group 0, −1 for group 1
     truth = (sign[:, None] * w).astype(npd)
     rows = _Rows(np.full(m, n), test_fraction, dim, npd, np.int64)
     for k0, k1, r0, r1 in rows.blocks():
         x = rows.features(k0, k1, sign[k0:k1, None] * mu * w, rng.standard_normal((r1 - r0, dim)), npd)
-        z = np.einsum("knp,kp->kn", x.reshape(k1 - k0, n, dim), truth[k0:k1].astype(np.float64)).reshape(-1)
+        z = _linear(x, truth[k0:k1, :, None].astype(np.float64), rows.sizes[k0:k1])[0]
         rows.put(k0, k1, (z >= 0).astype(np.int64), rows.y)
 
     meta = dict(generator="two_groups", num_clients=m, samples_per_client=n, dim=dim, mu=mu, seed=seed,
