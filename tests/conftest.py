@@ -66,15 +66,18 @@ def _native_must_load():
 # A kernel test module opts in with `pytestmark = pytest.mark.usefixtures("cpu_level")`: its tests
 # then run once per level this CPU supports (baseline, avx2, avx512), so every copy of the kernels
 # is checked against the reference, not only the one the CPU would choose. Subprocesses started
-# by such a test follow the level through PFLCORE_CPU_CAPABILITY.
+# by such a test follow the level through PFLCORE_CPU_CAPABILITY. PFLCORE_TEST_LEVELS=in-use runs
+# them at the level in use only (CI's extra runs: the main run has covered every level).
 def _cpu_levels():
-    import pflcore._core as core
+    core = backend.loaded("native")
+    if os.environ.get("PFLCORE_TEST_LEVELS") == "in-use":
+        return [core.cpu_capability()]
     return core.cpu_capabilities_supported()
 
 
 @pytest.fixture(params=_cpu_levels())
 def cpu_level(request, monkeypatch):
-    import pflcore._core as core
+    core = backend.loaded("native")
     before = core.cpu_capability()
     core.set_cpu_capability(request.param)
     monkeypatch.setenv("PFLCORE_CPU_CAPABILITY", request.param)

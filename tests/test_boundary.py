@@ -24,6 +24,9 @@ from conftest import make_data
 from pflcore import backend, models, ops
 from pflcore.errors import NonFiniteError
 
+# every test once per CPU capability level this CPU runs (conftest.py: cpu_level)
+pytestmark = pytest.mark.usefixtures("cpu_level")
+
 PRELUDE = """
 import numpy as np, torch
 from pflcore import ClientData, models, ops
@@ -124,9 +127,6 @@ ALIAS = """
 import hashlib, torch
 from pflcore import ClientData, models, ops
 from conftest import make_data
-
-# every test once per CPU capability level this CPU runs (conftest.py: cpu_level)
-pytestmark = pytest.mark.usefixtures("cpu_level")
 m = models.Softmax(6, 4)
 d = make_data(m, [7, 3, 9, 5, 8, 6, 4, 7], torch.float32, seed=3)
 th = 0.1 * torch.randn(8, m.d, generator=torch.Generator().manual_seed(1))

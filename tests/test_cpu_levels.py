@@ -81,8 +81,9 @@ _AVX512 = re.compile(r"%zmm|%k[0-7]\b|%[xy]mm(1[6-9]|2[0-9]|3[01])\b|\tv(pternlo
 
 
 def _build_tree_module():
-    """The unstripped module of the build tree pip left in build/ (CMakeLists.txt: NO_EXTRAS)."""
-    candidates = sorted(ROOT.glob("build/*/_core.*.so"), key=lambda p: p.stat().st_mtime)
+    """The unstripped module of the build tree pip left in build/<wheel tag>/ (pyproject.toml:
+    build-dir; CMakeLists.txt: NO_EXTRAS), not that of another build (build/bench-native, ...)."""
+    candidates = sorted(ROOT.glob("build/*-*-*/_core.*.so"), key=lambda p: p.stat().st_mtime)
     return candidates[-1] if candidates else None
 
 
