@@ -143,3 +143,26 @@ def test_module_runs_on_an_emulated_cpu(cpu, level):
     for key in ("softmax_f32", "logistic_f64"):
         # same code; only libm's exp (chosen by glibc for the CPU it sees) may round differently
         assert emulated[key] == pytest.approx(here[key], rel=1e-5, abs=1e-6), key
+
+
+def test_public_threads_and_capability_functions():
+    import pflcore
+    from pflcore import backend
+    before = pflcore.get_num_threads()
+    try:
+        pflcore.set_num_threads(1)
+        assert pflcore.get_num_threads() == 1
+        for bad in (0, -2, 1.5, True, "2"):
+            with pytest.raises(ValueError, match=r"^n: expected an integer >= 1, got "):
+                pflcore.set_num_threads(bad)
+    finally:
+        pflcore.set_num_threads(before)
+    assert backend.cpu_capability() == core.cpu_capability()
+    level = backend.cpu_capability()
+    try:
+        backend.set_cpu_capability("baseline")
+        assert backend.cpu_capability() == "baseline"
+        with pytest.raises(ValueError, match=r"^level: expected one of \['baseline'"):
+            backend.set_cpu_capability(2)
+    finally:
+        backend.set_cpu_capability(level)

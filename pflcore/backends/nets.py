@@ -367,11 +367,9 @@ def _mlp_local_steps(model: MLP, th: torch.Tensor, data: ClientData, batch_idx: 
 @functools.lru_cache(maxsize=None)
 def _native_mlp_module():
     """The native module when it has the MLP kernel, else None (resolved once)."""
-    try:
-        from pflcore import _core
-    except ImportError:
-        return None
-    return _core if hasattr(_core, "mlp_local_steps") else None
+    from pflcore import backend
+    core = backend.loaded("native")
+    return core if core is not None and hasattr(core, "mlp_local_steps") else None
 
 
 def _native_mlp_steps(model: TorchNet, theta_t: torch.Tensor, data: ClientData, batches_t: Optional[torch.Tensor],

@@ -97,7 +97,10 @@ def _build(cxx: list, include_dir: Path, target: Path) -> float:
 
 
 def _kernel_table_address() -> int:
-    from pflcore import _core
+    from pflcore import backend
+    _core = backend.loaded("native")
+    if _core is None:
+        raise ImportError(f"pflcore._core: {backend.adapter('native').describe()}")
 
     get = ctypes.pythonapi.PyCapsule_GetPointer
     get.restype = ctypes.c_void_p
