@@ -122,9 +122,14 @@ QEMU = shutil.which("qemu-x86_64")
 EMULATED = [("Haswell", "avx2"), ("EPYC-Milan", "avx2"), ("Nehalem", "baseline")]
 
 
+# settings that force this machine's instruction sets on a library: not for an emulated CPU
+_HOST_SETTINGS = ("PFLCORE_CPU_CAPABILITY", "OPENBLAS_CORETYPE", "ATEN_CPU_CAPABILITY", "NPY_DISABLE_CPU_FEATURES")
+
+
 def _small_call(prefix=(), **env):
+    base = {k: v for k, v in os.environ.items() if not (prefix and k in _HOST_SETTINGS)}
     r = subprocess.run([*prefix, sys.executable, str(SMALL_CALL), core.__file__], capture_output=True, text=True,
-                       timeout=600, env={**os.environ, **env})
+                       timeout=600, env={**base, **env})
     assert r.returncode == 0, f"exit {r.returncode}: {r.stderr[-3000:]}"
     return json.loads(r.stdout)
 
