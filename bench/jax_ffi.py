@@ -46,7 +46,8 @@ def compile_times(n: int):
     rows = []
     for _ in range(n):
         with tempfile.TemporaryDirectory() as cache:
-            env = dict(os.environ, PFLCORE_CACHE_DIR=cache, JAX_PLATFORMS="cpu")
+            # PYTHONSAFEPATH: the installed pflcore, not a checkout's (no compiled module) in the working directory
+            env = dict(os.environ, PFLCORE_CACHE_DIR=cache, JAX_PLATFORMS="cpu", PYTHONSAFEPATH="1")
             first, second = [json.loads(subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True,
                                                        text=True, check=True).stdout.splitlines()[-1])
                              for _ in range(2)]
