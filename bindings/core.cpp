@@ -227,14 +227,15 @@ PYBIND11_MODULE(_core, m) {
         [](ptr_t theta, int64_t R, int64_t p, int64_t H, int64_t C, double l2, ptr_t x, ptr_t y, ptr_t batches,
            int64_t steps, int64_t B, ptr_t anchor, bool anchor_shared, ptr_t grad_scale, double lr, double prox) {
           const char* op = "mlp_local_steps";
-          require(cpu::mlp_local_steps_supported(H, C), op, "unsupported hidden size or class count");
+          const cpu::KernelTable& kernels = cpu::active();  // one level for the test and the call
+          require(kernels.mlp_local_steps_supported(H, C), op, "unsupported hidden size or class count");
           require(R >= 0 && p >= 1 && steps >= 0 && B >= 1, op, "expected R >= 0, p >= 1, steps >= 0, B >= 1");
           require((theta && x && y && batches) || R == 0 || steps == 0, op, "theta, x, y, batches must not be null");
           py::gil_scoped_release nogil;
-          cpu::mlp_local_steps(as<float>(theta), R, p, H, C, static_cast<float>(l2), as<const float>(x),
-                               as<const int64_t>(y), as<const int32_t>(batches), steps, B, as<const float>(anchor),
-                               anchor_shared, as<const float>(grad_scale), static_cast<float>(lr),
-                               static_cast<float>(prox));
+          kernels.mlp_local_steps(as<float>(theta), R, p, H, C, static_cast<float>(l2), as<const float>(x),
+                                  as<const int64_t>(y), as<const int32_t>(batches), steps, B, as<const float>(anchor),
+                                  anchor_shared, as<const float>(grad_scale), static_cast<float>(lr),
+                                  static_cast<float>(prox));
         },
         "theta [R, d] <- minibatch SGD steps of a one-hidden-layer MLP (float, trusted inputs; the nets backend)");
   m.def("gradients",

@@ -127,15 +127,15 @@ const Choice& initial() {
 
 std::atomic<const KernelTable*> in_use{nullptr};
 
+}  // namespace
+
 const KernelTable& active() {
   const KernelTable* t = in_use.load(std::memory_order_acquire);
   if (t) return *t;
-  t = initial().table;  // a bad PFLCORE_CPU_CAPABILITY is reported by load_error()
+  t = initial().table;  // a bad PFLCORE_CPU_CAPABILITY is reported by level_error()
   in_use.store(t, std::memory_order_release);
   return *t;
 }
-
-}  // namespace
 
 std::vector<std::string> levels_built() {
   std::vector<std::string> out;
@@ -224,13 +224,8 @@ void sample_batches(const int64_t* offsets, int64_t m, int64_t N, const int64_t*
 }
 
 bool mlp_local_steps_supported(int64_t H, int64_t C) { return active().mlp_local_steps_supported(H, C); }
+// mlp_local_steps: the binding calls active().mlp_local_steps, with the same table as its test.
 
-void mlp_local_steps(float* theta, int64_t R, int64_t p, int64_t H, int64_t C, float l2, const float* x,
-                     const int64_t* y, const int32_t* batches, int64_t steps, int64_t B, const float* anchor,
-                     bool anchor_shared, const float* grad_scale, float lr, float prox) {
-  active().mlp_local_steps(theta, R, p, H, C, l2, x, y, batches, steps, B, anchor, anchor_shared, grad_scale, lr,
-                           prox);
-}
 
 template void local_steps<float>(const GlmProblem<float>&, const LocalStepsArgs<float>&, Faults&);
 template void local_steps<double>(const GlmProblem<double>&, const LocalStepsArgs<double>&, Faults&);

@@ -63,6 +63,9 @@ struct KernelTable {
                           const int32_t*, int64_t, int64_t, const float*, bool, const float*, float, float);
 };
 
+// The table of the level in use. A caller that makes several calls that must agree (a
+// "supported?" test, then the call) reads it once: another thread may switch the level between.
+const KernelTable& active();
 // The levels this binary holds, lowest first.
 std::vector<std::string> levels_built();
 // The built levels this CPU can run, lowest first.

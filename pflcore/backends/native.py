@@ -33,13 +33,10 @@ class NativeAdapter(Adapter):
                 raise  # a dependency of pflcore itself is missing: not a backend question
             return None, ("not built: pflcore._core is missing from this installation; "
                           "reinstall with `pip install .` from the source tree")
-        except ImportError as exc:
+        except (ImportError, OSError) as exc:  # the file is there but does not load
             if str(exc).startswith("PFLCORE_CPU_CAPABILITY"):
                 # asked for a level this build or CPU cannot run: an error, not a silent fallback
                 raise ValueError(str(exc)) from None
-            return None, (f"built, but pflcore._core failed to load ({type(exc).__name__}: {exc}); "
-                          f"rebuild it against this Python and torch (`pip install .`)")
-        except OSError as exc:  # the file is there but does not load
             return None, (f"built, but pflcore._core failed to load ({type(exc).__name__}: {exc}); "
                           f"rebuild it against this Python and torch (`pip install .`)")
         self._core = module
