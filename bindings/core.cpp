@@ -12,7 +12,12 @@
 #if defined(PFLCORE_OPENMP)
 #include <omp.h>
 #endif
+#if defined(PFLCORE_OPENMP) && !defined(_WIN32)
+#include <pthread.h>
+#define PFLCORE_FORK_GUARD 1
+#endif
 
+#include <atomic>
 #include <cstdint>
 #include <string>
 
@@ -35,6 +40,20 @@ template <typename T = void>
 T* as(ptr_t p) {
   return reinterpret_cast<T*>(p);
 }
+
+// fork() keeps only the calling thread: GNU libgomp's pool workers are gone in the child, yet its
+// bookkeeping still counts them, so the child's first parallel region waits for them forever. The
+// child handler below runs every later parallel region of the child on one thread: ours, and
+// torch's, which reads the same OpenMP setting (PyTorch marks its own pool after fork the same way).
+// Results do not depend on the thread count, so a forked worker computes the same bits.
+std::atomic<bool> g_forked_child{false};
+
+#if defined(PFLCORE_FORK_GUARD)
+void serial_after_fork() {
+  g_forked_child.store(true);
+  omp_set_num_threads(1);
+}
+#endif
 
 void require(bool ok, const char* op, const std::string& what) {
   if (!ok) throw py::value_error(std::string(op) + ": " + what);
@@ -209,6 +228,9 @@ void average_t(ptr_t theta, int64_t M, int64_t d, ptr_t weights, ptr_t rows, int
 PYBIND11_MODULE(_core, m) {
   // A PFLCORE_CPU_CAPABILITY this build or CPU cannot follow: no silent fallback to another level.
   if (std::string why = cpu::level_error(); !why.empty()) throw py::value_error(why);
+#if defined(PFLCORE_FORK_GUARD)
+  pthread_atfork(nullptr, nullptr, &serial_after_fork);
+#endif
 
   m.doc() = "pflcore CPU kernels (C++17/OpenMP). Called by pflcore.backends.native only: arguments are raw "
             "addresses of buffers whose shapes and dtypes it checked.";
@@ -309,6 +331,10 @@ PYBIND11_MODULE(_core, m) {
   m.def("set_num_threads",
         [](int n) {
           require(n >= 1, "set_num_threads", "expected n >= 1, got " + std::to_string(n));
+          require(n == 1 || !g_forked_child.load(), "set_num_threads",
+                  "expected 1 in a process started by fork() (the OpenMP thread pool does not survive fork: more "
+                  "threads would wait forever), got " + std::to_string(n) +
+                      "; start parallel workers with multiprocessing's 'spawn' or 'forkserver' method");
 #if defined(PFLCORE_OPENMP)
           omp_set_num_threads(n);
 #endif
@@ -321,6 +347,8 @@ PYBIND11_MODULE(_core, m) {
     return 1;
 #endif
   });
+  m.def("forked_child", []() { return g_forked_child.load(); },
+        "True in a process started by fork() after this module loaded: its kernels run on one thread");
   m.def("build_info", []() {
     py::dict info;
     info["version"] = PFLCORE_VERSION;

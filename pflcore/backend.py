@@ -191,11 +191,44 @@ def _native_module():
     return module
 
 
+# ---- fork -------------------------------------------------------------------------------------------
+# A process started by fork() has only the forking thread: GNU libgomp's pool workers (pflcore's
+# and torch's: one runtime) are gone, and a parallel region there waits for them forever. So a
+# forked child runs every op on one thread; its results are bitwise those of the parent (they do
+# not depend on the thread count). The native module registers the same switch with
+# pthread_atfork (a fork from C); this hook also covers a parent that had not loaded it yet.
+_forked_child = False
+
+
+def _serial_after_fork() -> None:
+    global _forked_child
+    _forked_child = True
+    import torch
+
+    torch.set_num_threads(1)  # the OpenMP setting pflcore's kernels read too
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_serial_after_fork)
+
+
+def forked_child() -> bool:
+    """True in a process started by ``os.fork`` (or a ``multiprocessing`` 'fork' worker) after
+    ``import pflcore``: its ops run on one thread (the OpenMP pool does not survive fork). Workers
+    started with 'spawn' or 'forkserver' are fresh processes with the usual threads."""
+    return _forked_child
+
+
 def set_num_threads(n: int) -> None:
     """Threads of the native kernels' OpenMP pool, from the next call on (``OMP_NUM_THREADS`` sets
-    the start value; torch's own pool is ``torch.set_num_threads``). Results do not depend on it."""
+    the start value; torch's own pool is ``torch.set_num_threads``). Results do not depend on it.
+    In a forked child (``forked_child()``) only 1 is accepted."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n: expected an integer >= 1, got {n!r}")
+    if n > 1 and _forked_child:
+        raise ValueError(f"n: expected 1 in a process started by fork() (the OpenMP thread pool does not survive "
+                         f"fork: more threads would wait forever), got {n}; start parallel workers with "
+                         "multiprocessing's 'spawn' or 'forkserver' method")
     _native_module().set_num_threads(n)
 
 
