@@ -15,6 +15,7 @@ import inspect
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 from pflcore import algorithms as A
+from pflcore._checks import MAX_COUNT
 from pflcore import models as M
 
 
@@ -79,6 +80,12 @@ def is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def is_count(v, minimum: int = 0) -> bool:
+    """An integer in [minimum, MAX_COUNT]: every count of an experiment (rounds, clients, steps,
+    sizes) has the ops' bound, so a typo such as 99999999999999999999 is refused, not run."""
+    return is_int(v) and minimum <= v <= MAX_COUNT
+
+
 def is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
@@ -95,11 +102,11 @@ def _list_of(pred: Callable[[Any], bool]) -> Callable[[Any], bool]:
 TOP: Dict[str, tuple] = {  # key: (check, description)
     "name": (lambda v: isinstance(v, str), "a string"),
     "description": (lambda v: isinstance(v, str), "a string"),
-    "rounds": (is_int, "an integer"),
-    "clients_per_round": (is_int, "an integer"),
-    "eval_every": (is_int, "an integer"),
-    "seeds": (lambda v: isinstance(v, list) and len(v) > 0 and all(is_int(x) and x >= 0 for x in v),
-              "a non-empty array of integers >= 0 (e.g. seeds = [0, 1, 2])"),
+    "rounds": (is_count, f"an integer in [0, {MAX_COUNT}]"),
+    "clients_per_round": (lambda v: is_count(v, 1), f"an integer in [1, {MAX_COUNT}]"),
+    "eval_every": (lambda v: is_count(v, 1), f"an integer in [1, {MAX_COUNT}]"),
+    "seeds": (lambda v: isinstance(v, list) and len(v) > 0 and all(is_int(x) and 0 <= x < 2**64 for x in v),
+              "a non-empty array of integers >= 0 and < 2**64 (e.g. seeds = [0, 1, 2])"),
     "out": (lambda v: isinstance(v, str), "a string (a folder)"),
     "metrics": (_list_of(lambda x: isinstance(x, str)), "an array of metric names"),
     "plot": (_list_of(lambda x: isinstance(x, str)), "an array of metric names"),
@@ -124,7 +131,8 @@ def _annotation_check(annotation: Any) -> Optional[tuple]:
     text = text.replace("typing.", "")
     if text.startswith("Optional[") and text.endswith("]"):
         text = text[len("Optional["):-1]
-    return {"int": (is_int, "an integer"), "float": (is_number, "a number"), "bool": (lambda v: isinstance(v, bool),
+    bounded = (lambda v: is_int(v) and -MAX_COUNT <= v <= MAX_COUNT, f"an integer in [-{MAX_COUNT}, {MAX_COUNT}]")
+    return {"int": bounded, "float": (is_number, "a number"), "bool": (lambda v: isinstance(v, bool),
             "true or false"), "str": (lambda v: isinstance(v, str), "a string")}.get(text)
 
 
@@ -157,6 +165,8 @@ def _check_table(table: Dict[str, Any], params: Dict[str, inspect.Parameter], wh
         if special and key in special and value in special[key]:
             continue
         check = _annotation_check(params[key].annotation)
+        if key == "seed" and check is not None and check[0](0):  # a seed is not a count: run takes [0, 2**64)
+            check = (lambda v: is_int(v) and 0 <= v < 2**64, "an integer in [0, 2**64)")
         if check is not None:
             ok, what = check
             if special and key in special:

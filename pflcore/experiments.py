@@ -10,9 +10,9 @@ the table, and the other runs go on.
 from __future__ import annotations
 
 import copy
-import json
 import math
 import os
+import stat
 import statistics
 import time
 from typing import Any, Dict, List, Optional
@@ -26,7 +26,7 @@ from pflcore import experiment_config as C
 from pflcore import models as M
 from pflcore.run import _validate as check_run_arguments
 from pflcore.experiment_config import ConfigError
-from pflcore.result import LABELS, Result, finish_axes, plot_matrix, plot_results, pyplot, save_figure
+from pflcore.result import LABELS, Result, finish_axes, plot_matrix, plot_results, pyplot, save_figure, strict_json
 from pflcore.run import DivergenceError, run
 
 # The comparison `pflcore run` makes with no arguments: the setting the personalization papers
@@ -71,8 +71,9 @@ def load(path: Optional[str]) -> Dict[str, Any]:
     except ImportError:  # Python < 3.11
         import tomli as tomllib  # type: ignore
     try:
+        _check_file(os.stat(path), path)  # before open(): opening a FIFO would wait for a writer
         with open(path, "rb") as fh:
-            return tomllib.load(fh)
+            return tomllib.loads(_read_bounded(fh, path).decode("utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"experiment file {path!r} not found") from None
     except IsADirectoryError:
@@ -83,6 +84,37 @@ def load(path: Optional[str]) -> Dict[str, Any]:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML (not UTF-8 text: {exc.reason} at byte {exc.start})") from None
+
+
+# An experiment file is a few kB of TOML; the bound keeps `pflcore run /dev/zero` (or a data file
+# passed by mistake) from reading until memory runs out.
+MAX_EXPERIMENT_BYTES = 4 << 20
+
+
+def _check_file(info: os.stat_result, path: str) -> None:
+    """ConfigError unless ``info`` is a regular file of at most MAX_EXPERIMENT_BYTES."""
+    if stat.S_ISDIR(info.st_mode):
+        raise IsADirectoryError(path)
+    if not stat.S_ISREG(info.st_mode):
+        kind = ("a character device" if stat.S_ISCHR(info.st_mode) else "a pipe" if stat.S_ISFIFO(info.st_mode)
+                else "a socket" if stat.S_ISSOCK(info.st_mode) else "a block device" if stat.S_ISBLK(info.st_mode)
+                else "not a regular file")
+        raise ConfigError(f"experiment file {path!r}: expected a regular file (TOML text), got {kind}")
+    limit = MAX_EXPERIMENT_BYTES
+    if info.st_size > limit:
+        raise ConfigError(f"experiment file {path!r}: expected at most {limit >> 20} MiB of TOML, got "
+                          f"{info.st_size / 2**20:.1f} MiB (is it an experiment file?)")
+
+
+def _read_bounded(fh, path: str) -> bytes:
+    """The whole of an experiment file (checked again once open: a device, a pipe or a huge file
+    is refused before it is read)."""
+    _check_file(os.fstat(fh.fileno()), path)
+    limit = MAX_EXPERIMENT_BYTES
+    raw = fh.read(limit + 1)  # a file that grew since fstat still stops here
+    if len(raw) > limit:
+        raise ConfigError(f"experiment file {path!r}: expected at most {limit >> 20} MiB of TOML, got more")
+    return raw
 
 
 def apply_overrides(cfg: Dict[str, Any], overrides: List[str], *, strict: bool = True) -> Dict[str, Any]:
@@ -302,7 +334,7 @@ def run_experiment(cfg: Dict[str, Any], *, only: Optional[List[str]] = None, pro
     if not writer:
         return summary
     with open(os.path.join(out, "summary.json"), "w") as fh:
-        json.dump(summary, fh, indent=1)
+        fh.write(strict_json(summary))
     sweep = cfg.get("sweep")
     try:
         if sweep:

@@ -8,6 +8,22 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+def _finite_or_none(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: _finite_or_none(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_finite_or_none(x) for x in v]
+    return v
+
+
+def strict_json(obj, indent: int = 1) -> str:
+    """``obj`` as JSON that every parser reads: a NaN or infinity (which ``json.dumps`` would
+    write as the bare tokens ``NaN``/``Infinity``, outside the JSON standard) becomes null."""
+    return json.dumps(_finite_or_none(obj), indent=indent, allow_nan=False)
+
+
 def metric(row: Dict[str, Any], key: str):
     """``row[key]``; ``"acc"`` is the test accuracy of the model each client uses: its
     personalized model's, or the global model's for algorithms without personalized models."""
@@ -54,16 +70,9 @@ class Result:
         return out
 
     def to_json(self, path: Optional[str] = None) -> str:
-        """The history and configuration as JSON (NaN written as null); also to ``path``."""
-        def clean(v):
-            if isinstance(v, float) and not math.isfinite(v):
-                return None
-            if isinstance(v, dict):
-                return {k: clean(x) for k, x in v.items()}
-            if isinstance(v, (list, tuple)):
-                return [clean(x) for x in v]
-            return v
-        text = json.dumps(clean(self.to_dict()), indent=1)
+        """The history and configuration as strict JSON (a NaN or infinity written as null); also
+        to ``path``."""
+        text = strict_json(self.to_dict())
         if path:
             with open(path, "w") as fh:
                 fh.write(text)

@@ -8,6 +8,7 @@ part of a checkpoint.
 """
 from __future__ import annotations
 
+import math
 import os
 import time
 import warnings
@@ -16,7 +17,7 @@ from typing import Callable, Iterable, List, Optional, Tuple
 import torch
 
 from pflcore import checkpoint as ckpt
-from pflcore._checks import all_finite
+from pflcore._checks import MAX_COUNT, all_finite
 from pflcore import distributed, ops
 from pflcore.algorithms.base import Algorithm, Context, state_tensors
 from pflcore.data.federation import Federation
@@ -197,13 +198,15 @@ def _train_loss(ctx: Context, theta: torch.Tensor, mode: str) -> Optional[float]
     return _ratio(tl, tc, ctx)
 
 
-def evaluate_round(algorithm: Algorithm, state, ctx: Context, t: int, train_loss: str = "sample") -> dict:
+def evaluate_round(algorithm: Algorithm, state, ctx: Context, t: int, train_loss: str = "sample",
+                   models: Optional[tuple] = None) -> dict:
     """The metrics of DESIGN.md §5 for the current state (over every rank's clients): one
     evaluation call on the test data per model set (the personalized models; the global model,
-    shared by every client without an [m, d] copy), the training loss on a fixed sample."""
+    shared by every client without an [m, d] copy), the training loss on a fixed sample.
+    ``models``: ``algorithm.evaluated_models(state, ctx)`` when the caller has it already."""
     row = {"round": t}
     model = ctx.model
-    personal, w = algorithm.evaluated_models(state, ctx)
+    personal, w = algorithm.evaluated_models(state, ctx) if models is None else models
     ctx._evaluated = (t, personal, w)  # the run's result reuses the last round's
     fed = ctx.federation
     if personal is not None:
@@ -266,6 +269,35 @@ def _round(algorithm: Algorithm, state, ctx: Context, t: int, saved: Optional[st
     return state
 
 
+def _nonfinite_metrics(row: dict) -> List[str]:
+    """The metrics of a history row that are NaN or infinite (None means "not recorded")."""
+    return [k for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)]
+
+
+def _evaluate(algorithm: Algorithm, state, ctx: Context, t: int, train_loss: str, saved: Optional[str]) -> dict:
+    """``evaluate_round``, with a divergence that shows only in what is evaluated (the models
+    handed to evaluation, a loss, a statistical error, a residual: PERM's personalized loss and
+    CGPFL's errors overflow rounds before their parameters do) reported as a DivergenceError of
+    round ``t`` naming the quantity, on every rank alike (the models are checked, and the ranks
+    agree, before any collective of the evaluation)."""
+    personal, w = algorithm.evaluated_models(state, ctx)
+    bad = next((name for name, tensor in (("the personalized models", personal), ("the global model", w))
+                if tensor is not None and not all_finite(tensor)), None)
+    if ctx.comm.max(0.0 if bad is None else 1.0) > 0:
+        where = bad or f"the evaluated models of another rank (this is rank {ctx.comm.rank})"
+        raise _diverged(algorithm, t, f"{where} have NaN/inf values", saved)
+    try:
+        row = evaluate_round(algorithm, state, ctx, t, train_loss, models=(personal, w))
+    except NonFiniteError as exc:  # e.g. a test row's loss overflowing in an op's check
+        raise _diverged(algorithm, t, f"the evaluation met NaN/inf values ({exc})", saved,
+                        all_ranks=not ctx.sharded) from exc
+    bad_metrics = _nonfinite_metrics(row)  # the same on every rank: metrics are sums over the ranks
+    if bad_metrics:
+        shown = ", ".join(f"{k} = {row[k]}" for k in bad_metrics)
+        raise _diverged(algorithm, t, f"NaN/inf in its metrics ({shown})", saved)
+    return row
+
+
 def _validate(algorithm, federation, model, rounds, clients_per_round, eval_every, seed):
     if not isinstance(algorithm, Algorithm):
         raise ValueError(f"algorithm: expected a pflcore.algorithms algorithm, got {type(algorithm).__name__}")
@@ -275,14 +307,14 @@ def _validate(algorithm, federation, model, rounds, clients_per_round, eval_ever
         raise ValueError(f"model: expected a pflcore.models model (a GLM or a torch net), got {type(model).__name__}")
     if federation.num_features != model.p:
         raise ValueError(f"model: expects p = {model.p} features, the federation has {federation.num_features}")
-    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
-        raise ValueError(f"rounds: expected an integer >= 0, got {rounds!r}")
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or not 0 <= rounds <= MAX_COUNT:
+        raise ValueError(f"rounds: expected an integer in [0, {MAX_COUNT}], got {rounds!r}")
     m = federation.num_clients
     if clients_per_round is not None and (isinstance(clients_per_round, bool) or not isinstance(clients_per_round, int)
                                           or not 1 <= clients_per_round <= m):
         raise ValueError(f"clients_per_round: expected an integer in [1, m = {m}] or None, got {clients_per_round!r}")
-    if isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 1:
-        raise ValueError(f"eval_every: expected an integer >= 1, got {eval_every!r}")
+    if isinstance(eval_every, bool) or not isinstance(eval_every, int) or not 1 <= eval_every <= MAX_COUNT:
+        raise ValueError(f"eval_every: expected an integer in [1, {MAX_COUNT}], got {eval_every!r}")
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 64:
         raise ValueError(f"seed: expected an integer in [0, 2**64), got {seed!r}")
 
@@ -327,8 +359,9 @@ def _checkpoint_args(checkpoint, checkpoint_every, eval_every):
         raise ValueError(f"checkpoint: expected a folder path (str or os.PathLike), got {checkpoint!r}")
     if checkpoint_every is None:
         checkpoint_every = eval_every
-    if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 1:
-        raise ValueError(f"checkpoint_every: expected an integer >= 1 (rounds between checkpoints), "
+    if (isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int)
+            or not 1 <= checkpoint_every <= MAX_COUNT):
+        raise ValueError(f"checkpoint_every: expected an integer in [1, {MAX_COUNT}] (rounds between checkpoints), "
                          f"got {checkpoint_every!r}")
     return os.fspath(checkpoint), checkpoint_every
 
@@ -397,10 +430,14 @@ def run(algorithm: Algorithm, federation: Federation, model: GLM, *, rounds: int
     if optimum is not None:
         ctx.f_star = optimum[0]
     if _resume is None:
-        with inside(algorithm.name):
-            state = algorithm.init(ctx)
+        try:
+            with inside(algorithm.name):
+                state = algorithm.init(ctx)
+        except NonFiniteError as exc:
+            raise _diverged(algorithm, 0, f"its initial state has NaN/inf values ({exc})", None,
+                            all_ranks=not ctx.sharded) from exc
         history, start = [], 0
-        history.append({**evaluate_round(algorithm, state, ctx, 0, train_loss), "seconds": 0.0,
+        history.append({**_evaluate(algorithm, state, ctx, 0, train_loss, None), "seconds": 0.0,
                         "client_steps_per_s": None})
     else:
         state, history, start = _resume["state"], _resume["history"], _resume["round"]
@@ -425,7 +462,13 @@ def run(algorithm: Algorithm, federation: Federation, model: GLM, *, rounds: int
         elapsed += time.perf_counter() - t0
         if t % eval_every == 0 or t == rounds:
             sent = comm.bytes_sent - bytes0  # the rounds' traffic only, not the metrics'
-            row = evaluate_round(algorithm, state, ctx, t, train_loss)
+            try:
+                row = _evaluate(algorithm, state, ctx, t, train_loss, saved)
+            except DivergenceError as exc:
+                exc.history = list(history)
+                if bar is not None:
+                    bar.close()
+                raise
             done = t - (history[-1]["round"] if history else 0)
             slowest = comm.max(elapsed)  # a sharded round lasts as long as its slowest rank
             row["seconds"] = slowest / max(1, done)

@@ -23,7 +23,7 @@ from pflcore.algorithms.base import Algorithm, Context
 class AcceleratedState:
     inner: Any               # the wrapped algorithm's state
     anderson: ops.Anderson   # the mixer with its history (saved with checkpoints)
-    residual: float = float("nan")
+    residual: Optional[float] = None  # ‖T(u) − u‖ of the last round; None before the first
     per_client: bool = False  # the fixed point (and so the history) is per client: split with the clients
 
 
@@ -66,4 +66,4 @@ class Accelerated(Algorithm):
         return self.algorithm.evaluated_models(state.inner, ctx)
 
     def residual(self, state: AcceleratedState) -> Optional[float]:
-        return state.residual
+        return state.residual  # None before the first round: absent from the history

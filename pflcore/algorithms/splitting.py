@@ -18,7 +18,6 @@ clients' P^η_{f_i}(u_i). ``ergodic=True`` reports Σ_s η_s w_s / Σ_s η_s ins
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -34,7 +33,7 @@ class SplittingState:
     w: torch.Tensor          # [d] P_H(prox): the global model
     w_ergodic: torch.Tensor  # [d] Σ η_s w_s (divided by eta_sum when reported)
     eta_sum: float = 0.0
-    residual: float = float("nan")
+    residual: Optional[float] = None  # ‖T(u) − u‖ of the last round; None before the first
 
 
 class GrandScheme(Algorithm):
@@ -142,7 +141,7 @@ class GrandScheme(Algorithm):
         return state.w
 
     def residual(self, state: SplittingState) -> Optional[float]:
-        return None if math.isnan(state.residual) else state.residual
+        return state.residual  # None before the first round: absent from the history
 
     def __getstate__(self):
         state = dict(self.__dict__)

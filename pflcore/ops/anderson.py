@@ -31,8 +31,8 @@ def _solve(G: torch.Tensor, reg: float) -> torch.Tensor:
 def _residuals(residuals):
     R, kind = to_tensor(residuals, "residuals")
     check_float(R, "residuals")
-    if R.dim() != 2 or R.shape[0] < 1:
-        raise ValueError(f"residuals: expected shape [k, D] with k >= 1, got {list(R.shape)}")
+    if R.dim() != 2 or R.shape[0] < 1 or R.shape[1] < 1:
+        raise ValueError(f"residuals: expected shape [k, D] with k >= 1 and D >= 1, got {list(R.shape)}")
     return (R if R.is_contiguous() else R.contiguous()), kind
 
 
@@ -118,6 +118,8 @@ class Anderson:
         same_device(tu_t, u_t, "tu")
         if tu_t.shape != u_t.shape:
             check_shape(tu_t, "tu", tuple(u_t.shape), "the shape of u")
+        if u_t.numel() == 0 and reduce is None:  # (a piece of a sharded vector may be empty)
+            raise ValueError(f"u: expected at least one value, got shape {list(u_t.shape)}")
         # NaN/inf in u or tu make the new residual's norm non-finite: that is checked below,
         # after the fused pass, instead of two extra passes over the state here.
         if not hasattr(self, "_R") or self._R.dtype != u_t.dtype or self._R.device != u_t.device \

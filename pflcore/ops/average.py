@@ -26,8 +26,8 @@ def run_average(theta, weights, rows=None):
     """``average`` without the algorithm guard (the context's one-process P_H)."""
     theta_t, kind = to_tensor(theta, "theta")
     check_float(theta_t, "theta")
-    if theta_t.dim() != 2 or theta_t.shape[0] < 1:
-        raise ValueError(f"theta: expected shape [m, d] with m >= 1, got {list(theta_t.shape)}")
+    if theta_t.dim() != 2 or theta_t.shape[0] < 1 or theta_t.shape[1] < 1:
+        raise ValueError(f"theta: expected shape [m, d] with m >= 1 and d >= 1, got {list(theta_t.shape)}")
     m = theta_t.shape[0]
     w, _ = to_tensor(weights, "weights")
     if w.dtype is not theta_t.dtype:

@@ -35,8 +35,11 @@ def run_hvp(model, theta, v, data, batches, rows, trusted: bool):
     if batches is None:
         raise ValueError("batches: expected int32 [R, B] minibatch indices (ops.sample_batches), got None")
     batches_t = batches_arg(batches, x, R, None)
+    # Detached: an op's output never requires grad (README), and the torch paths (the reference's
+    # closed form, the nets' autodiff) would otherwise record a graph through inputs that do.
+    theta_t, v_t = theta_t.detach(), v_t.detach()
     out = backend.select("hvp", model, theta_t).hvp(model, theta_t, v_t, data, rows_t, batches_t, trusted)
-    return from_tensor(out, kind)
+    return from_tensor(out.detach(), kind)
 
 
 def hvp_ref(model, theta, v, data, *, batches, rows=None):

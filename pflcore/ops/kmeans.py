@@ -34,8 +34,9 @@ _ONE_PROCESS = Comm()
 def _points(points, name="points"):
     t, kind = to_tensor(points, name)
     check_float(t, name)
-    if t.dim() != 2:
-        raise ValueError(f"{name}: expected shape [N, d], got {list(t.shape)}")
+    if t.dim() != 2 or t.shape[1] < 1:
+        raise ValueError(f"{name}: expected shape [N, d] with d >= 1, got {list(t.shape)}")
+    t = t.detach()  # outputs never require grad (the torch code of the Lloyd loop would record a graph)
     return (t if t.is_contiguous() else t.contiguous()), kind
 
 

@@ -1,0 +1,159 @@
+"""Divergence is caught wherever it shows (issue 28, rows 2, 3 and 8): a NaN or infinity in the
+parameters, in the models handed to evaluation, or only in a metric (a loss or a statistical
+error overflowing rounds before the parameters do) stops the run with a DivergenceError naming
+the algorithm, the round and the quantity; no history row holds a NaN or an infinity."""
+from __future__ import annotations
+
+import json
+import math
+import re
+import warnings
+
+import pytest
+
+import pflcore
+from pflcore import algorithms as A
+from pflcore import data as D
+from pflcore import models as M
+from pflcore.cli import main
+from pflcore.run import DivergenceError
+
+BIG = 1e6  # every step size of every algorithm
+STEP_SIZES = {
+    "apfl": dict(alpha=0.5, lr=BIG),
+    "cgpfl": dict(num_contexts=2, lam=1.0, lr=BIG, kmeans_iters=5, restarts=1, local_rounds=2),
+    "cgpflheur": dict(mu=1.0, max_contexts=2, lam=1.0, lr=BIG, kmeans_iters=5, restarts=1, local_rounds=2),
+    # Ditto and L2SGD refuse step sizes whose products with lam overshoot: lam is made small instead
+    "ditto": dict(lam=1e-7, lr=BIG, personal_lr=BIG),
+    "fedavg": dict(lr=BIG), "globaltrain": dict(lr=BIG), "localtrain": dict(lr=BIG),
+    "localizedfedavg": dict(lr=BIG, finetune_lr=BIG),
+    "fedpi": dict(eta=BIG), "fedproxclassic": dict(eta=BIG), "fedrp": dict(eta=BIG), "fedsplit": dict(eta=BIG),
+    "grandscheme": dict(eta=BIG),
+    "fedprox": dict(lam=1.0, local_lr=BIG, global_lr=1.0),
+    "ifca": dict(num_clusters=2, lr=BIG),
+    "l2sgd": dict(lam=1e-6, p=0.5, lr=BIG),
+    "perfedavg": dict(alpha=BIG, beta=BIG, local_steps=3, batch_size=5),
+    "perm": dict(warmup_rounds=2, lam_alpha=1.0, lr=BIG, alpha_every=2, fedavg_lr=BIG),
+    "pfedme": dict(lam=15.0, lr=BIG, personal_lr=BIG, local_rounds=3),
+}
+
+
+def test_every_registered_algorithm_is_in_the_sweep():
+    assert set(STEP_SIZES) == set(A.REGISTRY)
+
+
+@pytest.fixture(scope="module")
+def federations():
+    return {"least_squares": D.least_squares(num_clients=12, samples_per_client=40, dim=8),
+            "classes": D.contexts(num_clients=12, sizes=(20, 40), dim=8, num_classes=3)}
+
+
+MODELS = {"least_squares": ("least_squares", lambda f: M.LeastSquares(f.num_features)),
+          "softmax": ("classes", lambda f: M.Softmax(f.num_features, f.num_classes)),
+          "mlp": ("classes", lambda f: M.MLP(f.num_features, hidden=8, C=f.num_classes))}
+
+
+def _nonfinite(history):
+    return [(row["round"], k) for row in history for k, v in row.items()
+            if isinstance(v, float) and not math.isfinite(v)]
+
+
+@pytest.mark.parametrize("family", list(MODELS))
+@pytest.mark.parametrize("kind", sorted(STEP_SIZES))
+def test_huge_step_sizes_end_finite_or_with_a_named_divergence(kind, family, federations):
+    data, make = MODELS[family]
+    fed = federations[data]
+    algorithm = A.REGISTRY[kind](**STEP_SIZES[kind])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # e.g. "stat_error is not recorded" for the nets
+        try:
+            res = pflcore.run(algorithm, fed, make(fed), rounds=6, clients_per_round=4, progress=False)
+        except DivergenceError as exc:
+            assert exc.algorithm == algorithm.name and 0 <= exc.round <= 6 and exc.reason
+            assert re.match(rf"{re.escape(algorithm.name)} diverged in round {exc.round}: ", str(exc)), str(exc)
+            assert "NaN/inf" in exc.reason
+            history = exc.history or []
+            assert all(row["round"] < exc.round for row in history)
+        else:
+            history = res.history
+            assert [row["round"] for row in history] == list(range(7))
+    assert _nonfinite(history) == []
+
+
+def test_the_evaluation_of_diverged_personalized_models_names_the_round_and_algorithm(federations):
+    """Row 2: Per-FedAvg's personalized models (one step from the global model) overflow before
+    the global model does; the bare NonFiniteError of the evaluation escaped ``run``."""
+    fed = federations["least_squares"]
+    with pytest.raises(DivergenceError) as info:
+        pflcore.run(A.PerFedAvg(**STEP_SIZES["perfedavg"]), fed, M.LeastSquares(fed.num_features), rounds=5,
+                    progress=False)
+    exc = info.value
+    assert exc.algorithm == "Per-FedAvg" and exc.round >= 1 and "personalized models" in exc.reason
+    assert [row["round"] for row in exc.history] == list(range(exc.round))
+
+
+def test_a_metric_that_overflows_before_the_parameters_stops_the_run(federations):
+    """Row 3: PERM on float32 least squares; its personalized loss was inf from round 4 on while
+    the run went on."""
+    fed = federations["least_squares"]
+    with pytest.raises(DivergenceError) as info:
+        pflcore.run(A.PERM(warmup_rounds=2, lam_alpha=1.0, lr=BIG, alpha_every=2), fed,
+                    M.LeastSquares(fed.num_features), rounds=8, progress=False)
+    assert "metrics" in info.value.reason and "personalized_loss = inf" in info.value.reason
+    assert _nonfinite(info.value.history) == []
+
+
+def test_accelerated_history_has_no_nan_residual_and_strict_json(tmp_path, federations):
+    """Row 8: Accelerated(FedAvg) recorded residual = NaN before its first round, and the JSON
+    files held the bare token NaN."""
+    fed = federations["classes"]
+    res = pflcore.run(A.Accelerated(A.FedAvg(lr=0.1), memory=3), fed, M.Softmax(fed.num_features, fed.num_classes),
+                      rounds=3, progress=False)
+    assert "residual" not in res.history[0] and res.history[-1]["residual"] > 0
+
+    def refuse(token):
+        raise AssertionError(f"non-standard JSON token {token}")
+
+    json.loads(res.to_json(), parse_constant=refuse)
+    res.history[1]["residual"] = float("nan")  # whatever a caller puts in: still standard JSON
+    assert json.loads(res.to_json(), parse_constant=refuse)["history"][1]["residual"] is None
+
+
+PERFEDAVG = """
+name = "pf"
+rounds = 6
+seeds = [0, 1]
+metrics = ["stat_error_local"]
+[data]
+generator = "least_squares"
+num_clients = 6
+samples_per_client = 30
+dim = 6
+[model]
+family = "least_squares"
+[algorithms.PerFedAvg]
+type = "perfedavg"
+alpha = 1e6
+beta = 1e6
+local_steps = 3
+batch_size = 5
+[algorithms.LocalTrain]
+type = "localtrain"
+lr = 0.05
+"""
+
+
+def test_the_cli_records_a_divergence_in_evaluation_and_goes_on(tmp_path, capsys):
+    """Row 2 through the CLI: the experiment's other algorithm and seeds still run, exit 0, and
+    summary.json is standard JSON."""
+    cfg = tmp_path / "pf.toml"
+    cfg.write_text(PERFEDAVG)
+    out = tmp_path / "o"
+    assert main(["run", str(cfg), "--out", str(out), "--no-progress"]) == 0
+    summary = json.loads((out / "summary.json").read_text(), parse_constant=lambda t: pytest.fail(t))
+    perfedavg, local = summary["rows"]
+    assert [d["seed"] for d in perfedavg["diverged"]] == [0, 1]
+    assert all("personalized models" in d["reason"] for d in perfedavg["diverged"])
+    assert local["diverged"] == [] and local["stat_error_local"] > 0
+    table = capsys.readouterr().out
+    assert re.search(r"PerFedAvg +- +diverged in round \d+ \(2 of 2 seeds; first: seed 0\)", table), table
