@@ -4,11 +4,13 @@ ranks, and bound to one run.
 A checkpoint folder holds
 
     run.json              the fingerprint of the run the folder belongs to (written first)
+    writer.lock           the lock of the one process writing the folder, naming it (pid, host, since)
     federation.pt         the whole federation and the model (rank 0, once)
     round_T.rank<r>.pt    (sharded runs) rank r's state, i.e. its clients' rows of every
                           per-client field, and its client range
     round_T.pt            round T's record: round, algorithm, history, config, the number of
-                          ranks and their client ranges, and (one process) the state itself
+                          ranks and their client ranges, the run's digest, and (one process) the
+                          state itself
 
 One folder, one run: the fingerprint names what decides the run's trajectory (the algorithm and
 its hyperparameters, the model, a SHA-256 of the federation's tensors, the seed, the clients per
@@ -17,14 +19,32 @@ another fingerprint is refused with the differences, before any round; the same 
 (same fingerprint) rewrites the same files with the same bytes. ``resume`` may change the number
 of ranks (the state is re-split), nothing else.
 
-Every file is written to a temporary name, flushed to disk and renamed, and ``round_T.pt`` is
-written last, by rank 0, after a barrier that every rank reaches once its own file is in place:
-a round whose ``round_T.pt`` exists is complete. A file that cannot be read back (truncated,
-empty, not a checkpoint) is named in the error; ``load`` then falls back to the newest round
-whose files are all intact and warns which one it used. Restoring on W' ranks re-splits the
-per-client fields (``per_client()`` in the state dataclasses) along the clients: each rank reads
-the files of the ranks whose clients overlap its own; every other field is the same on every
-rank.
+Guarantees:
+
+- One writer per folder. From ``claim`` to the end of ``run`` (success or any exception,
+  DivergenceError and KeyboardInterrupt included) rank 0 holds an exclusive ``flock`` on
+  ``writer.lock``; another process running or resuming into the folder meanwhile is refused,
+  on every rank, with a CheckpointBusyError naming the folder and the holder. The kernel drops
+  the lock of a process that dies (kill -9 included): the next writer takes it over, and removes
+  the temporaries the dead one left. (flock: local file systems and NFS; where locks are not
+  supported a warning says the folder is unguarded.)
+- Atomic, collision-free files. Every file is written to a temporary name of its own
+  (``.NAME.<pid>.<random>.tmp``), flushed to disk and renamed, and ``round_T.pt`` is written
+  last, by rank 0, once every rank's file is in place: a round whose ``round_T.pt`` exists is
+  complete.
+- Write errors named. A write that fails (no space left, file too large, read-only, no
+  permission ...) removes its temporary and raises a CheckpointError naming the file and the
+  OS's reason (ENOSPC ...), on every rank, where torch.save would say "unexpected pos"; the
+  rounds written before stay intact.
+- Torn and alien round files skipped. A file that cannot be read back (truncated, empty, not a
+  checkpoint) is named in the error; a round file of another run (each carries the digest of its
+  run's fingerprint, ``run_digest``; files of the previous format are compared on their config)
+  or whose per-client state has another number of clients is named too. ``load`` falls back to
+  the newest round of this run whose files are all intact and warns which files it skipped.
+
+Restoring on W' ranks re-splits the per-client fields (``per_client()`` in the state
+dataclasses) along the clients: each rank reads the files of the ranks whose clients overlap
+its own; every other field is the same on every rank.
 """
 from __future__ import annotations
 

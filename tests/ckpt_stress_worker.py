@@ -157,7 +157,8 @@ def trial(i, spec, baseline, duration, rng):
     codes, hung = wait_all(pids, timeout=60)
     out = os.path.join(spec["root"], f"check{i}.json")
     check_code, _ = wait_all([fork(check, folder, baseline, out)], timeout=60)
-    result = {"trial": i, "codes": codes, "victim": victim, "holder": holder, "kill_at": kill_at, "newest_at_kill": newest,
+    result = {"trial": i, "codes": codes, "victim": victim, "holder": holder, "kill_at": kill_at,
+              "newest_at_kill": newest,
               "hung": hung, "check_code": check_code[0],
               "refusals": [os.path.getsize(p) if os.path.exists(p) else 0 for p in refusal_files]}
     if os.path.exists(out):
