@@ -110,16 +110,21 @@ def status(raw: int) -> int:
     return -os.WTERMSIG(raw) if os.WIFSIGNALED(raw) else os.WEXITSTATUS(raw)
 
 
-def wait_all(pids, timeout):
-    """Exit statuses of ``pids``; a child still running after ``timeout`` s is killed (reported -9,
-    and the trial as hung)."""
-    codes, end = {}, time.monotonic() + timeout
+def reap(pids, codes) -> None:
+    """Adds the exit status of every child of ``pids`` that has ended to ``codes`` (pid -> status)."""
+    for pid in pids:
+        if pid not in codes:
+            done, raw = os.waitpid(pid, os.WNOHANG)
+            if done:
+                codes[pid] = status(raw)
+
+
+def wait_all(pids, timeout, codes=None):
+    """Exit statuses of ``pids`` (``codes``: those reaped already); a child still running after
+    ``timeout`` s is killed (reported -9, and the trial as hung)."""
+    codes, end = dict(codes or {}), time.monotonic() + timeout
     while len(codes) < len(pids):
-        for pid in pids:
-            if pid not in codes:
-                done, raw = os.waitpid(pid, os.WNOHANG)
-                if done:
-                    codes[pid] = status(raw)
+        reap(pids, codes)
         if time.monotonic() > end:
             for pid in pids:
                 if pid not in codes:
@@ -146,15 +151,16 @@ def trial(i, spec, baseline, duration, rng):
     pids = [fork(writer, folder, refusal_files[w], rng.randrange(2 ** 32)) for w in range(spec["writers"])]
     kill_at = rng.uniform(0.0, 1.2 * duration)
     time.sleep(kill_at)
-    # still running? (WNOWAIT: a child that has exited stays to be reaped, with its status, by wait_all)
-    alive = [w for w, pid in enumerate(pids) if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None]
+    reaped = {}
+    reap(pids, reaped)
+    alive = [w for w, pid in enumerate(pids) if pid not in reaped]
     victim, newest, holder = None, None, lock_holder(folder, pids)
     if alive:
         # every other trial kills the lock's holder (the writer mid-run), the others anyone alive
         victim = holder if i % 2 == 0 and holder in alive else rng.choice(alive)
         newest = os.path.basename(rounds_in(folder)[-1]) if rounds_in(folder) else None
         os.kill(pids[victim], signal.SIGKILL)
-    codes, hung = wait_all(pids, timeout=60)
+    codes, hung = wait_all(pids, timeout=60, codes=reaped)
     out = os.path.join(spec["root"], f"check{i}.json")
     check_code, _ = wait_all([fork(check, folder, baseline, out)], timeout=60)
     result = {"trial": i, "codes": codes, "victim": victim, "holder": holder, "kill_at": kill_at,
