@@ -366,6 +366,7 @@ def _checkpoint_args(checkpoint, checkpoint_every, eval_every):
     return os.fspath(checkpoint), checkpoint_every
 
 
+@ckpt.releases_locks  # the checkpoint folder's lock, taken by ckpt.claim, is released however run ends
 def run(algorithm: Algorithm, federation: Federation, model: GLM, *, rounds: int, clients_per_round: Optional[int] = None,
         seed: int = 0, eval_every: int = 1, device="cpu", progress: bool = True, checkpoint: Optional[str] = None,
         checkpoint_every: Optional[int] = None, callbacks: Iterable[Callable] = (),
@@ -376,7 +377,9 @@ def run(algorithm: Algorithm, federation: Federation, model: GLM, *, rounds: int
     identically (every ``eval_every`` rounds by default, and after the last round). A checkpoint
     folder belongs to one run: a run into a folder that holds another run's checkpoints (other
     algorithm, hyperparameters, model, data, seed, clients per round, device or number of ranks)
-    raises ``ValueError`` naming what differs. ``callbacks`` are called as
+    raises ``ValueError`` naming what differs, and one writer at a time: a run into a folder
+    that another live process is writing raises ``checkpoint.CheckpointBusyError`` naming the
+    holder (a killed writer's lock is taken over). ``callbacks`` are called as
     ``cb(round, metrics_row, state)``. ``train_loss``: "sample" (the mean loss on a fixed sample
     of training rows, drawn once: up to 20,000 rows), "full" (every training row: a pass over
     the training data at every evaluation) or "none".
