@@ -101,7 +101,7 @@ def test_checkpoint_without_checkpoint_every_writes_every_eval_every_rounds(tmp_
 
 @pytest.mark.parametrize("every", [0, -1, 1.5, True, "2"])
 def test_bad_checkpoint_every_is_refused(tmp_path, every):
-    with pytest.raises(ValueError, match=r"checkpoint_every: expected an integer >= 1"):
+    with pytest.raises(ValueError, match=r"checkpoint_every: expected an integer in \[1, "):
         pflcore.run(_alg(), _fed(), MODEL, rounds=2, checkpoint=str(tmp_path), checkpoint_every=every, progress=False)
 
 
