@@ -10,13 +10,10 @@ import sys
 import pytest
 import torch
 
-import pflcore
-from pflcore import algorithms as A
 from pflcore import data as D
 from pflcore import models as M
 from pflcore import ops
 from pflcore._checks import MAX_COUNT
-from pflcore.cli import main
 
 CLI = [sys.executable, "-m", "pflcore"]
 
@@ -62,44 +59,59 @@ def test_a_fifo_is_refused_without_waiting_for_a_writer(tmp_path):
     assert out.returncode == 2 and "got a pipe" in out.stderr, out.stderr
 
 
-def test_a_huge_file_is_refused_before_it_is_read(tmp_path, capsys):
+def test_a_huge_file_is_refused_before_it_is_read(tmp_path):
     path = tmp_path / "big.toml"
     with open(path, "wb") as fh:
         fh.truncate(1 << 30)  # sparse: 1 GiB that takes no disk
-    assert main(["run", str(path)]) == 2
-    err = capsys.readouterr().err
-    assert "expected at most 4 MiB of TOML, got 1024.0 MiB" in err, err
+    out = _cli(["run", str(path)])  # in its own process: a regression reads and parses the GiB
+    assert out.returncode == 2, out.stderr
+    assert "expected at most 4 MiB of TOML, got 1024.0 MiB" in out.stderr, out.stderr
 
 
 @pytest.mark.parametrize("where", ["file", "override"])
-def test_a_huge_round_count_is_refused(tmp_path, capsys, where):
+def test_a_huge_round_count_is_refused(tmp_path, where):
     cfg = tmp_path / "exp.toml"
     huge = "99999999999999999999"
     cfg.write_text(SMALL.format(rounds=huge if where == "file" else 3, steps=1))
     args = ["run", str(cfg), "--out", str(tmp_path / "o")] + ([f"rounds={huge}"] if where == "override" else [])
-    assert main(args) == 2
-    err = capsys.readouterr().err
-    assert f"rounds: expected an integer in [0, {MAX_COUNT}], got {huge} (an integer)" in err, err
+    out = _cli(args)  # in its own process: a regression runs for ever
+    assert out.returncode == 2, out.stderr
+    assert f"rounds: expected an integer in [0, {MAX_COUNT}], got {huge} (an integer)" in out.stderr, out.stderr
     assert not (tmp_path / "o").exists()  # refused before anything ran
 
 
-def test_every_count_of_an_experiment_has_the_same_bound(tmp_path, capsys):
+def test_every_count_of_an_experiment_has_the_same_bound(tmp_path):
     cfg = tmp_path / "exp.toml"
     cfg.write_text(SMALL.format(rounds=3, steps=2**40))
-    assert main(["run", str(cfg), "--out", str(tmp_path / "o")]) == 2
-    err = capsys.readouterr().err
-    assert f"algorithms.FedAvg.local_steps: expected an integer in [-{MAX_COUNT}, {MAX_COUNT}]" in err, err
+    out = _cli(["run", str(cfg), "--out", str(tmp_path / "o")])  # a regression would run ~forever
+    assert out.returncode == 2, out.stderr
+    assert f"algorithms.FedAvg.local_steps: expected an integer in [-{MAX_COUNT}, {MAX_COUNT}]" in out.stderr
     cfg.write_text(f"eval_every = {2**31}\n" + SMALL.format(rounds=3, steps=1))
-    assert main(["run", str(cfg), "--out", str(tmp_path / "o")]) == 2
-    assert f"eval_every: expected an integer in [1, {MAX_COUNT}]" in capsys.readouterr().err
+    out = _cli(["run", str(cfg), "--out", str(tmp_path / "o")])
+    assert out.returncode == 2 and f"eval_every: expected an integer in [1, {MAX_COUNT}]" in out.stderr, out.stderr
+
+
+RUN_BOUNDS = """
+import pflcore
+from pflcore import algorithms as A, data as D, models as M
+fed = D.least_squares(num_clients=3, samples_per_client=10, dim=2)
+for kwargs, name in (({"rounds": 2**31}, "rounds"), ({"rounds": 1, "eval_every": 2**31}, "eval_every")):
+    try:
+        pflcore.run(A.FedAvg(lr=0.1), fed, M.LeastSquares(2), progress=False, **kwargs)
+    except ValueError as exc:
+        assert str(exc).startswith(name + ": expected an integer in ["), exc
+    else:
+        raise AssertionError(name + " accepted")
+print("ok")
+"""
 
 
 def test_run_bounds_its_counts():
-    fed = D.least_squares(num_clients=3, samples_per_client=10, dim=2)
-    model = M.LeastSquares(2)
-    for kwargs, name in (({"rounds": 2**31}, "rounds"), ({"rounds": 1, "eval_every": 2**31}, "eval_every")):
-        with pytest.raises(ValueError, match=rf"^{name}: expected an integer in \["):
-            pflcore.run(A.FedAvg(lr=0.1), fed, model, progress=False, **kwargs)
+    try:  # in its own process: a regression runs 2**31 rounds
+        out = subprocess.run([sys.executable, "-c", RUN_BOUNDS], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("pflcore.run accepted 2**31 rounds")
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
 ZERO_WIDTH = {
