@@ -114,6 +114,54 @@ def _run_experiment(args, cfg, experiments, comm) -> int:
     return 0
 
 
+def _extras_of_installed() -> dict:
+    """{extra: [requirement, ...]} of the installed pflcore's metadata, each requirement kept
+    only when its environment marker holds here (e.g. triton on Linux only)."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    try:
+        dist = metadata.distribution("pflcore")
+    except metadata.PackageNotFoundError:
+        raise ValueError("pflcore extras: pflcore is not installed (no package metadata); "
+                         "from a checkout, see pyproject.toml [project.optional-dependencies]") from None
+    extras: dict = {name: [] for name in dist.metadata.get_all("Provides-Extra") or []}
+    for text in dist.requires or []:
+        req = Requirement(text)
+        for name in extras:
+            if req.marker is not None and req.marker.evaluate({"extra": name}) and "extra" in str(req.marker):
+                spec = req.name + (f"[{','.join(sorted(req.extras))}]" if req.extras else "") + str(req.specifier)
+                extras[name].append(spec)
+    return extras
+
+
+def _extras(args) -> int:
+    extras = _extras_of_installed()
+    if not args.names:
+        for name, reqs in extras.items():
+            print(f"{name:<8} {' '.join(reqs) or '(nothing on this platform)'}")
+        return 0
+    unknown = [n for n in args.names if n not in extras]
+    if unknown:
+        raise UsageError(f"extras: unknown extra {unknown[0]!r}; pflcore has {', '.join(extras)}")
+    seen: List[str] = []
+    for name in args.names:
+        seen += [r for r in extras[name] if r not in seen]
+    print("\n".join(seen))
+    return 0
+
+
+def _add_extras(sub) -> None:
+    p = sub.add_parser("extras", help="the packages of an optional extra, to add it without rebuilding pflcore",
+                       description="Prints the packages of the named extras (one per line, for this platform), "
+                                   "so that `pip install $(pflcore extras bench)` adds an extra to an installed "
+                                   "pflcore without building its core again (`pip install \".[bench]\"` would "
+                                   "compile it anew in a fresh build environment). No name: every extra.")
+    p.add_argument("names", nargs="*", help="extras (e.g. bench plot)")
+    p.set_defaults(func=_extras)
+
+
 def _add_info(sub) -> None:
     p = sub.add_parser("info", help="version, and which backends load (and why not)")
     p.set_defaults(func=_info)
@@ -136,7 +184,7 @@ def _add_bench(sub) -> None:
 
 
 # Subcommands, in the order `pflcore --help` lists them: each adds its parser to `sub`.
-COMMANDS: List[Callable] = [_add_run, _add_bench, _add_info]
+COMMANDS: List[Callable] = [_add_run, _add_bench, _add_info, _add_extras]
 
 
 def build_parser() -> argparse.ArgumentParser:

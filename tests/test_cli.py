@@ -254,3 +254,22 @@ def test_the_default_hyperparameters_are_the_ones_validation_chose():
     assert tuning["clients_per_round"] == cfg["clients_per_round"]
     for label, spec in cfg["algorithms"].items():
         assert tuning["chosen"][label] == spec, label
+
+
+def test_extras_lists_the_packages_of_an_extra_for_pip(capsys):
+    """`pip install $(pflcore extras bench)` adds an extra without rebuilding the core (issue 29)."""
+    assert main(["extras", "bench", "plot"]) == 0
+    lines = capsys.readouterr().out.split()
+    try:
+        import tomllib
+    except ImportError:  # Python < 3.11
+        import tomli as tomllib
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "pyproject.toml"), "rb") as fh:
+        declared = tomllib.load(fh)["project"]["optional-dependencies"]
+    assert lines == [r.replace(" ", "") for r in declared["bench"] + declared["plot"]]  # (no markers in these)
+    assert main(["extras"]) == 0
+    table = capsys.readouterr().out
+    assert "bench" in table and "dev" in table
+    assert main(["extras", "benhc"]) == 2
+    assert "unknown extra 'benhc'; pflcore has" in capsys.readouterr().err
