@@ -1,8 +1,13 @@
 """Markdown tables of experiment results, shaped like Table 1 of the CGPFL and pFedMe papers.
 
 Reads the ``summary.json`` that ``pflcore run`` writes (one or several) and prints a Markdown
-table: one row per method, each cell the mean ± std over seeds (population std, as in the
-summary) of the final accuracy, in percent.
+table: one row per method, each cell the mean ± sample std (ddof=1) over seeds of the final
+accuracy, in percent (summaries written before pflcore kept per-seed values hold a population
+std, ddof=0: the note under the table says which). Beside each accuracy column, where the
+summaries carry per-seed values: the 10th percentile over clients (mean over seeds), and each
+method paired seed by seed with the best of the column (mean difference ± its sample std, wins
+out of n); under the table, one verdict line per column (``pflcore.seed_stats``: a paired
+t-test at 5%, no claim within the noise).
 
     python experiments/tables.py experiments/results/cgpfl_synthetic_summary.json
     python experiments/tables.py A_summary.json B_summary.json --out table.md
@@ -32,6 +37,8 @@ import os
 import re
 import sys
 from typing import Dict, List, Optional, Tuple
+
+from pflcore import seed_stats as S
 
 # Row order of the CGPFL paper's Table 1 (then pFedMe's extra rows); labels are matched on
 # their method name, before any " (...)" tag.
@@ -90,8 +97,9 @@ def describe(summaries: List[Dict]) -> List[str]:
     return lines
 
 
-def table(groups: List[Tuple[Optional[str], List[Dict]]]) -> str:
-    """Markdown for column groups [(name or None, [summary, ...])]."""
+def table(groups: List[Tuple[Optional[str], List[Dict]]], verdicts: Optional[List[str]] = None) -> str:
+    """Markdown for column groups [(name or None, [summary, ...])]; the verdict of each accuracy
+    column with per-seed values is appended to ``verdicts``."""
     # entries[(method, model)][group] = row
     entries: Dict[Tuple[str, Optional[str]], Dict[int, Dict]] = {}
     first: Dict[str, int] = {}
@@ -139,19 +147,55 @@ def table(groups: List[Tuple[Optional[str], List[Dict]]]) -> str:
             for model in models:
                 head = "Global model (%)" if model is None else f"{model} GM"
                 cols.append((prefix + head, g, model, glob))
+    cols = _with_paired_columns(cols, entries, methods, pers, verdicts, multi or len(models) > 1)
     values = [[getter(entries[(m, model)][g]) if g in entries.get((m, model), {}) else (None, None, "")
                for (_, g, model, getter) in cols] for m in methods]
     best = []
     for j in range(len(cols)):
-        col = [v[j][0] for v in values if v[j][0] is not None]
+        col = [v[j][0] for v in values if v[j][0] is not None and not isinstance(v[j][0], str)]
         best.append(max(col) if col else None)
     out = ["| Method | " + " | ".join(c[0] for c in cols) + " |",
            "|---|" + "|".join("---:" for _ in cols) + "|"]
     for m, vals in zip(methods, values):
-        cells = [cell(mean, None if single[cols[j][1]] else std, bold=(mean is not None and mean == best[j]),
+        cells = [mean if isinstance(mean, str) else  # a paired-difference text
+                 cell(mean, None if single[cols[j][1]] else std, bold=(mean is not None and mean == best[j]),
                       mark=mark) for j, (mean, std, mark) in enumerate(vals)]
         out.append(f"| {m} | " + " | ".join(cells) + " |")
     return "\n".join(out)
+
+
+def _with_paired_columns(cols, entries, methods, pers, verdicts, named):
+    """``cols`` with, after each accuracy column whose rows carry per-seed values, a "p10" column
+    and a "paired vs best" column (``seed_stats.annotate`` on copies of the rows: a row is
+    paired with the best of its own column)."""
+    out = []
+    for head, g, model, getter in cols:
+        out.append((head, g, model, getter))
+        if getter is not pers:
+            continue
+        originals = [entries[(m, model)][g] for m in methods if g in entries.get((m, model), {})]
+        if not any(r.get("per_seed") for r in originals):
+            continue  # an older summary: no per-seed values to pair
+        annotated = {id(r): dict(r) for r in originals}  # keyed by the row the getters receive
+        S.annotate(list(annotated.values()), "acc")
+        line = S.verdict(list(annotated.values()), "acc")
+        if line and verdicts is not None:
+            verdicts.append(f"{head}: {line}" if named else line)
+        out.append((f"{head} p10 clients", g, model,
+                    lambda row, a=annotated: (a[id(row)].get("acc_p10"), None, "")))
+        out.append((f"{head} paired vs best", g, model,
+                    lambda row, a=annotated: (S.vs_best_text(a[id(row)]), None, "")))
+    return out
+
+
+def _spread_note(summaries: List[Dict]) -> str:
+    """What ± is: sample std for summaries with per-seed statistics, population std before."""
+    new = [bool(s.get("statistics")) for s in summaries]
+    if all(new):
+        return "sample std, ddof=1"
+    if not any(new):
+        return "population std, ddof=0: summaries written before per-seed statistics"
+    return "sample std (ddof=1) where the summary has per-seed values, population std (ddof=0) for older ones"
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -178,11 +222,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     lines = []
     if args.title:
         lines += [f"## {args.title}", ""]
-    lines += [table(groups), ""]
+    verdicts: List[str] = []
+    lines += [table(groups, verdicts), ""]
     what = ("one seed" if seeds == [1] else
-            f"mean ± std over {'/'.join(map(str, seeds))} seeds (population std; one seed: the value alone)")
+            f"mean ± std over {'/'.join(map(str, seeds))} seeds ({_spread_note(all_summaries)}; one seed: the "
+            f"value alone)")
     lines.append(f"Final test accuracy (%), {what}; personalized models, or † the global model for a method "
                  "without personalized ones. Bold: best of the column.")
+    if verdicts:
+        lines.append("p10 clients: the 10th percentile over clients of that accuracy (%), mean over seeds. Paired vs "
+                     "best: the method's accuracy minus the column's best, seed by seed (seeds where both "
+                     "finished): mean ± sample std of the differences in points, and the seeds it won.")
+        lines += [""] + verdicts
     for note in args.note:  # separate paragraphs
         lines += ["", note]
     lines += ["", "Runs:"] + describe(all_summaries)

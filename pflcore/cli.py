@@ -101,6 +101,8 @@ def _run_experiment(args, cfg, experiments, comm) -> int:
     metrics = cfg.get("metrics", ["personalized_acc", "global_acc", "stat_error_local", "stat_error_global"])
     say()
     say(experiments.format_table(summary["rows"], metrics))
+    if summary.get("verdict"):  # every experiment: what the paired figures support, and no more
+        say("\n" + summary["verdict"])
     sentence = experiments.takeaway(summary)
     if sentence:
         say("\n" + sentence)

@@ -10,10 +10,8 @@ the table, and the other runs go on.
 from __future__ import annotations
 
 import copy
-import math
 import os
 import stat
-import statistics
 import time
 from typing import Any, Dict, List, Optional
 
@@ -24,6 +22,7 @@ from pflcore import data as D
 from pflcore import distributed
 from pflcore import experiment_config as C
 from pflcore import models as M
+from pflcore import seed_stats as S
 from pflcore.run import _validate as check_run_arguments
 from pflcore.experiment_config import ConfigError
 from pflcore.result import LABELS, Result, finish_axes, plot_matrix, plot_results, pyplot, save_figure, strict_json
@@ -201,12 +200,48 @@ def build_algorithm(label: str, spec: Dict[str, Any], fed, model):
 
 
 def _summary(values: List[Optional[float]]):
-    """(mean, population std) of the finite values; the std is None for one value (one seed:
+    """(mean, sample std (ddof=1)) of the finite values; the std is None for one value (one seed:
     there is no spread to show)."""
-    vals = [v for v in values if v is not None and math.isfinite(v)]
-    if not vals:
-        return None, None
-    return statistics.fmean(vals), (statistics.pstdev(vals) if len(vals) > 1 else None)
+    mean, std, _ = S.summarize(values)
+    return mean, std
+
+
+# Kept per seed beside the experiment's metrics: "acc" (what the verdict ranks by default) and
+# the 10th percentile over clients, the spread a mean over clients hides.
+SPREAD = ("acc", "acc_p10", "personalized_acc_p10", "global_acc_p10")
+
+
+def main_metric(cfg: Dict[str, Any], metrics: List[str], rows: List[Dict[str, Any]]) -> Optional[str]:
+    """The metric the verdict ranks by: ``sweep.metric``, else the first of ``metrics`` that
+    some row has. ``personalized_acc`` is read as ``acc`` (the model each client uses): a method
+    without personalized models (FedAvg) is then ranked by its global model, as the papers'
+    tables do, instead of being left out."""
+    wanted = [(cfg.get("sweep") or {}).get("metric")] + list(metrics)
+    for k in wanted:
+        k = "acc" if k == "personalized_acc" else k
+        if k and any(r.get(k) is not None for r in rows):
+            return k
+    return None
+
+
+def _p10_key(main: Optional[str]) -> Optional[str]:
+    """The per-client spread shown beside an accuracy: its 10th percentile over clients."""
+    return {"acc": "acc_p10", "global_acc": "global_acc_p10"}.get(main or "")
+
+
+def _statistics(rows: List[Dict[str, Any]], main: Optional[str]) -> Optional[str]:
+    """Pairs every row with the best of its sweep point (``seed_stats.annotate``); returns the
+    verdict: one line, or one line per sweep value."""
+    if main is None:
+        return None
+    lines = []
+    for value in dict.fromkeys(r["sweep"] for r in rows):
+        point = [r for r in rows if r["sweep"] == value]
+        S.annotate(point, main)
+        line = S.verdict(point, main)
+        if line:
+            lines.append(line if value is None else f"[sweep = {value}] {line}")
+    return "\n".join(lines) or None
 
 
 def _select(algos: Dict[str, Any], only: Optional[List[str]]) -> Dict[str, Any]:
@@ -290,7 +325,8 @@ def run_experiment(cfg: Dict[str, Any], *, only: Optional[List[str]] = None, pro
     for i, (key, value, point_cfg) in enumerate(points):
         for label in algos:
             spec = point_cfg["algorithms"][label]
-            finals = {k: [] for k in metrics}
+            tracked = list(dict.fromkeys(list(metrics) + list(SPREAD)))
+            per_seed = {"seed": [], **{k: [] for k in tracked}}  # None where the seed diverged
             diverged = []
             for seed in seeds:
                 fed = feds.get((i, seed)) or build_federation(point_cfg["data"], seed)
@@ -311,24 +347,28 @@ def run_experiment(cfg: Dict[str, Any], *, only: Optional[List[str]] = None, pro
                     res = Result(alg.name, exc.history or [], None, None, None, {"algorithm": repr(alg), "seed": seed},
                                  diverged={"round": exc.round, "reason": exc.reason})
                     log(f"{tag}: diverged in round {exc.round} (seed {seed}): {exc.reason}")
-                else:
-                    for k in metrics:
-                        finals[k].append(res.final(k))
-                curves.setdefault(tag, res)
+                per_seed["seed"].append(seed)
+                for k in tracked:
+                    per_seed[k].append(None if res.diverged else res.final(k))
+                curves.setdefault(tag, []).append(res)  # every seed: the figure shows their mean
                 if writer:
                     res.to_json(os.path.join(out, f"{_slug(tag)}_seed{seed}.json"))
                 if res.state is not None:
                     _plot_state_matrices(res, tag, seed, out, log, comm)
             row = {"algorithm": label, "sweep": value, "type": C.algorithm_kind(label, spec),
                    "seeds": len(seeds), "diverged": diverged}
-            for k in metrics:
-                row[k], row[k + "_std"] = _summary(finals[k])
+            for k in tracked:
+                if k in metrics or any(v is not None for v in per_seed[k]):
+                    row[k], row[k + "_std"], row[k + "_n"] = S.summarize(per_seed[k])
+            row["per_seed"] = {k: v for k, v in per_seed.items() if k == "seed" or any(x is not None for x in v)}
             rows.append(row)
             log(_row_text(row, metrics, key))
         for seed in seeds:  # this point's data is no longer needed
             feds.pop((i, seed), None)
+    main = main_metric(cfg, metrics, rows)
     summary = {"name": cfg.get("name"), "config": cfg, "rows": rows, "seconds": time.perf_counter() - t_start,
-               "facts": facts}
+               "facts": facts, "main_metric": main, "statistics": {"std": S.STD, "verdict_rule": S.RULE}}
+    summary["verdict"] = _statistics(rows, main)  # sets each row's vs_best
     if comm.world > 1:
         summary["ranks"] = comm.world
     if not writer:
@@ -373,17 +413,35 @@ def takeaway(summary: Dict[str, Any], metric: str = "acc") -> Optional[str]:
     few = (f"each client has a median of {f['median_train_samples']:.0f} training samples for a model of "
            f"{f['parameters']} parameters")
     if best[metric] > local[metric] and best[metric] > glob[metric]:
-        return (f"{best['algorithm']} is ahead ({pct(best[metric])}) of both LocalTrain ({pct(local[metric])}) and "
-                f"FedAvg ({pct(glob[metric])}): {few}, too few to learn alone, and the clients' data differ, so one "
-                f"global model fits none of them exactly; a personalized model borrows what the clients share and "
-                f"keeps what is each one's own.")
+        return _hedged(best, [local, glob], metric, (
+            f"{best['algorithm']} is ahead ({pct(best[metric])}) of both LocalTrain ({pct(local[metric])}) and "
+            f"FedAvg ({pct(glob[metric])}): {few}, too few to learn alone, and the clients' data differ, so one "
+            f"global model fits none of them exactly; a personalized model borrows what the clients share and "
+            f"keeps what is each one's own."))
     if local[metric] >= glob[metric]:
-        return (f"Here LocalTrain ({pct(local[metric])}) is ahead of every personalized method (best: "
-                f"{best['algorithm']}, {pct(best[metric])}) and of FedAvg ({pct(glob[metric])}): {few}, enough for "
-                f"each client to learn on its own, so sharing adds little.")
-    return (f"Here FedAvg's one global model ({pct(glob[metric])}) is ahead of every personalized method (best: "
-            f"{best['algorithm']}, {pct(best[metric])}) and of LocalTrain ({pct(local[metric])}): the clients' data "
-            f"are alike enough that one model serves them all, and {few}.")
+        return _hedged(local, [best, glob], metric, (
+            f"Here LocalTrain ({pct(local[metric])}) is ahead of every personalized method (best: "
+            f"{best['algorithm']}, {pct(best[metric])}) and of FedAvg ({pct(glob[metric])}): {few}, enough for "
+            f"each client to learn on its own, so sharing adds little."))
+    return _hedged(glob, [best, local], metric, (
+        f"Here FedAvg's one global model ({pct(glob[metric])}) is ahead of every personalized method (best: "
+        f"{best['algorithm']}, {pct(best[metric])}) and of LocalTrain ({pct(local[metric])}): the clients' data "
+        f"are alike enough that one model serves them all, and {few}."))
+
+
+def _hedged(leader, others, metric: str, sentence: str) -> str:
+    """``sentence`` (``leader`` ahead of ``others``), with a warning where the seeds do not
+    support that lead: the paired difference (rows with per-seed values, 2+ seeds in common) is
+    within its noise. The sentence itself stays: it is the reason the setting gives."""
+    level = []
+    for row in others:
+        p = S.paired(S.seed_values(leader, metric), S.seed_values(row, metric), S.lower_is_better(metric))
+        if p is not None and p["n"] >= 2 and not p["beyond_noise"]:
+            level.append(f"{row['algorithm']} ({p['n']} seeds)")
+    if not level:
+        return sentence
+    return (f"{sentence} But the lead of {leader['algorithm']} over {' and '.join(level)} is within the noise "
+            f"of the seeds (see the verdict): this run does not show it.")
 
 
 def _plot_state_matrices(res, tag: str, seed: int, out: str, log, comm) -> None:
@@ -422,7 +480,8 @@ def _note(row) -> str:
     first = div[0]
     reason = first["reason"] if len(first["reason"]) <= 70 else first["reason"].split(" (")[0][:70]
     which = (f"seed {first['seed']}" if row.get("seeds", 1) == 1
-             else f"{len(div)} of {row['seeds']} seeds; first: seed {first['seed']}")
+             else f"{len(div)} of {row['seeds']} seeds{', left out of the means' if len(div) < row['seeds'] else ''}; "
+                  f"first: seed {first['seed']}")
     return f"diverged in round {first['round']} ({which}): {reason}"
 
 
@@ -437,15 +496,28 @@ def _row_text(row, metrics, key) -> str:
 
 
 def format_table(rows, metrics) -> str:
-    """The summary rows as a text table: mean ± std over seeds (the mean alone for one seed),
-    "-" where a metric does not apply, and a note on runs that diverged."""
-    shown = [k for k in metrics if any(r[k] is not None for r in rows)] or list(metrics[:1])
+    """The summary rows as a text table: mean ± sample std over seeds (the mean alone for one
+    seed), "-" where a metric does not apply, and a note on runs that diverged. Rows annotated
+    by ``seed_stats.annotate`` also get the per-client spread (p10 of the main accuracy) and the
+    paired difference with the best method; the lines under the table say what each column is."""
+    main = next((r["vs_best"]["metric"] for r in rows if r.get("vs_best")), None)
+    p10 = _p10_key(main)
+    shown = [k for k in metrics if any(r.get(k) is not None for r in rows)] or list(metrics[:1])
+    if p10 in shown or not any(r.get(p10) is not None for r in rows):
+        p10 = None  # already a column of its own (with its ±), or not recorded
+    else:
+        shown.append(p10)  # mean over seeds alone: the ± of a percentile would crowd the table
     wide = max([14] + [len(r["algorithm"]) for r in rows])  # names like "CGPFL (K=4)" set the column
     sweep = any(r["sweep"] is not None for r in rows)
-    cells = [[_cell(r[k], r.get(k + "_std")) for k in shown] for r in rows]
-    widths = [max(len(k), *(len(c[j]) for c in cells)) for j, k in enumerate(shown)]
+    cells = [[_cell(r.get(k), None if k == p10 else r.get(k + "_std")) for k in shown] for r in rows]
+    heads = list(shown)
+    if main:
+        heads.append(f"paired vs best ({main})")
+        for r, c in zip(rows, cells):
+            c.append(S.vs_best_text(r))
+    widths = [max(len(k), *(len(c[j]) for c in cells)) for j, k in enumerate(heads)]
     head = f"{'algorithm':<{wide}}" + (f" {'sweep':>8}" if sweep else "") + "".join(
-        f"  {k:>{w}}" for k, w in zip(shown, widths))
+        f"  {k:>{w}}" for k, w in zip(heads, widths))
     lines = [head]
     for r, c in zip(rows, cells):
         value = str(r["sweep"] if r["sweep"] is not None else "")
@@ -455,16 +527,33 @@ def format_table(rows, metrics) -> str:
             line += "  " + _note(r)
         lines.append(line.rstrip())
     legend = [f"{k}: {LABELS[k]}" for k in shown if k in LABELS]
+    seeds = max((r.get("seeds", 1) for r in rows), default=1)
+    if any(r.get(k + "_std") is not None for r in rows for k in shown):
+        legend.append(f"±: {S.STD} (n = {seeds} seeds; a diverged seed is left out of the means)")
+    if main:
+        legend.append(f"paired vs best: {main} minus the best method's, seed by seed: mean ± sample std of the "
+                      f"differences, and the seeds on which the method beat the best")
     return "\n".join(lines + legend)
 
 
 def _plot_sweep(rows, sweep, metrics, path):
+    """The sweep's metric against the swept value, one line per method: the mean over seeds with
+    error bars of ± 1 sample std (several seeds; the title says so and n)."""
     plt = pyplot()
     metric = sweep.get("metric") or next((k for k in metrics if any(r[k] is not None for r in rows)), metrics[0])
     fig, ax = plt.subplots(figsize=(6, 4))
     for label in dict.fromkeys(r["algorithm"] for r in rows):
-        pts = [(r["sweep"], r[metric]) for r in rows if r["algorithm"] == label and r[metric] is not None]
-        if pts:
-            ax.plot(*zip(*pts), marker="o", label=label)
+        pts = [(r["sweep"], r[metric], r.get(metric + "_std")) for r in rows
+               if r["algorithm"] == label and r[metric] is not None]
+        if not pts:
+            continue
+        xs, ys, stds = zip(*pts)
+        if any(sd is not None for sd in stds):
+            ax.errorbar(xs, ys, yerr=[sd or 0.0 for sd in stds], marker="o", capsize=3, label=label)
+        else:
+            ax.plot(xs, ys, marker="o", label=label)
     finish_axes(ax, sweep["key"], metric, bool(sweep.get("log_y")))
+    seeds = max((r.get("seeds", 1) for r in rows), default=1)
+    if seeds > 1:
+        ax.set_title(f"mean over {seeds} seeds; bars: ± 1 sample std (ddof=1)", fontsize=10)
     save_figure(fig, path)

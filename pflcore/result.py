@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -27,12 +28,15 @@ def strict_json(obj, indent: int = 1) -> str:
 def metric(row: Dict[str, Any], key: str):
     """``row[key]``; ``"acc"`` is the test accuracy of the model each client uses: its
     personalized model's, or the global model's for algorithms without personalized models."""
-    if key == "acc":
-        return row.get("personalized_acc") if row.get("personalized_acc") is not None else row.get("global_acc")
+    if key in ("acc", "acc_p10"):  # acc_p10: the 10th percentile over clients of the same accuracy
+        tail = key[3:]
+        mine = row.get("personalized_acc" + tail)
+        return mine if mine is not None else row.get("global_acc" + tail)
     return row.get(key)
 
 
-LABELS = {"acc": "test accuracy of the model each client uses"}
+LABELS = {"acc": "test accuracy of the model each client uses",
+          "acc_p10": "10th percentile over clients of acc (the worst-served tenth), mean over seeds"}
 
 
 # Columns of Result.table(), in order, with their formats.
@@ -121,18 +125,56 @@ def save_figure(fig, path: str) -> str:
     return path
 
 
-def plot_results(results: Dict[str, "Result"], path: str, keys=("personalized_acc", "global_acc")) -> str:
+def seed_curve(runs: List["Result"], key: str) -> Optional[Dict[str, Any]]:
+    """What ``plot_results`` draws for one method: the mean of ``key`` over its seeds at the
+    rounds all of them recorded, with the sample std (ddof=1; None for one seed). Diverged seeds
+    are left out (their histories stop early and would drag the mean), unless every seed
+    diverged. None when no round has a value."""
+    used = [r for r in runs if r.diverged is None] or list(runs)
+    series = [{row["round"]: metric(row, key) for row in res.history if metric(row, key) is not None}
+              for res in used]
+    rounds = sorted(set(series[0]).intersection(*series[1:])) if series else []
+    if not rounds:
+        return None
+    mean = [statistics.fmean(s[t] for s in series) for t in rounds]
+    std = [statistics.stdev(s[t] for s in series) for t in rounds] if len(series) > 1 else None
+    return {"rounds": rounds, "mean": mean, "std": std, "n": len(used), "of": len(runs),
+            "diverged": any(r.diverged is not None for r in runs)}
+
+
+def _curve_label(label: str, curve: Dict[str, Any]) -> str:
+    if curve["of"] == 1:
+        return label + (" (diverged)" if curve["diverged"] else "")
+    if curve["n"] < curve["of"]:
+        return f"{label} ({curve['n']} of {curve['of']} seeds; {curve['of'] - curve['n']} diverged, left out)"
+    return label + (f" (all {curve['n']} seeds diverged)" if curve["diverged"] else "")
+
+
+def plot_results(results: Dict[str, Any], path: str, keys=("personalized_acc", "global_acc")) -> str:
+    """Curves of ``keys`` against the round, one per method: ``results`` maps a label to a Result
+    or to the Results of its seeds. Several seeds: the mean per round with a band of ± 1 sample
+    std, the title saying so and n (``seed_curve``)."""
     plt = pyplot()
-    keys = [k for k in keys if any(r.final(k) is not None for r in results.values())]
+    runs = {label: list(r) if isinstance(r, (list, tuple)) else [r] for label, r in results.items()}
+    keys = [k for k in keys if any(r.final(k) is not None for rs in runs.values() for r in rs)]
     fig, axes = plt.subplots(1, max(1, len(keys)), figsize=(5.5 * max(1, len(keys)), 4), squeeze=False)
-    colors = {label: f"C{i % 10}" for i, label in enumerate(results)}  # one color per run in every panel
+    colors = {label: f"C{i % 10}" for i, label in enumerate(runs)}  # one color per run in every panel
     for ax, key in zip(axes[0], keys):
-        for label, res in results.items():
-            pts = [(r["round"], metric(r, key)) for r in res.history if metric(r, key) is not None]
-            if pts:
-                ax.plot(*zip(*pts), label=label + (" (diverged)" if res.diverged else ""), color=colors[label],
-                        linestyle="--" if "+Anderson" in res.algorithm or "+AA" in label else "-")
+        for label, rs in runs.items():
+            curve = seed_curve(rs, key)
+            if curve is None:
+                continue
+            dashed = "+Anderson" in rs[0].algorithm or "+AA" in label
+            ax.plot(curve["rounds"], curve["mean"], label=_curve_label(label, curve), color=colors[label],
+                    linestyle="--" if dashed else "-")
+            if curve["std"] is not None:
+                ax.fill_between(curve["rounds"], [m - s for m, s in zip(curve["mean"], curve["std"])],
+                                [m + s for m, s in zip(curve["mean"], curve["std"])], color=colors[label],
+                                alpha=0.2, linewidth=0)
         finish_axes(ax, "round", key, key in ("optimality_gap", "residual") or key.startswith("stat_error"))
+    seeds = max(len(rs) for rs in runs.values()) if runs else 1
+    if seeds > 1:  # one seed: no title, the figure as it always was
+        fig.suptitle(f"mean over {seeds} seeds per round; band: ± 1 sample std (ddof=1)", fontsize=10)
     return save_figure(fig, path)
 
 
