@@ -156,4 +156,4 @@ def test_the_cli_records_a_divergence_in_evaluation_and_goes_on(tmp_path, capsys
     assert all("personalized models" in d["reason"] for d in perfedavg["diverged"])
     assert local["diverged"] == [] and local["stat_error_local"] > 0
     table = capsys.readouterr().out
-    assert re.search(r"PerFedAvg +- +diverged in round \d+ \(2 of 2 seeds; first: seed 0\)", table), table
+    assert re.search(r"PerFedAvg +- +- +diverged in round \d+ \(2 of 2 seeds; first: seed 0\)", table), table
