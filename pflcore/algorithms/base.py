@@ -157,11 +157,12 @@ class Context:
         return True
 
     def local_steps(self, theta: torch.Tensor, *, steps: int, lr: float, prox: float = 0.0, anchor=None,
-                    batches=None, rows=None, grad_scale=None) -> torch.Tensor:
-        """``ops.local_steps`` on the run's model and training data, in place on ``theta [R, d]``;
-        counts R·steps client-steps."""
+                    batches=None, rows=None, grad_scale=None, lr_scale=None) -> torch.Tensor:
+        """``ops.local_steps`` on the run's model and training data, in place on ``theta [R, d]``
+        (``lr_scale`` [d]: a per-coordinate step factor, 0 freezing a coordinate); counts R·steps
+        client-steps."""
         out = run_local_steps(self.model, theta, self.train, steps, lr, prox, anchor, batches, rows, grad_scale,
-                              self._trusted(rows, batches))
+                              self._trusted(rows, batches), lr_scale)
         self.client_steps += theta.shape[0] * steps
         return out
 

@@ -320,9 +320,25 @@ def _mlp_logits_t(layers, x: torch.Tensor) -> torch.Tensor:
     return torch.baddbmm(b.unsqueeze(2), W, h.transpose(1, 2))
 
 
+def _block_kinds(ch, lr_scale: Optional[torch.Tensor]) -> Optional[list]:
+    """Per layer of the chunk: None (step as usual), 0.0 (frozen: no update) or the layer's block
+    of ``lr_scale`` (a mixed block: the usual step, then scaled coordinate by coordinate)."""
+    if lr_scale is None:
+        return None
+    kinds = []
+    for blk in ch.blocks_of(lr_scale):
+        if not bool(blk.any()):
+            kinds.append(0.0)
+        elif bool((blk == 1).all()):
+            kinds.append(None)
+        else:
+            kinds.append(blk)
+    return kinds
+
+
 def _mlp_local_steps(model: MLP, th: torch.Tensor, data: ClientData, batch_idx: Optional[torch.Tensor],
                      full: Optional[tuple], a: Optional[torch.Tensor], scale: Optional[torch.Tensor], steps: int,
-                     lr: float, prox: float) -> None:
+                     lr: float, prox: float, lr_scale: Optional[torch.Tensor] = None) -> None:
     """The steps of one chunk ``th [c, d]`` (a view of theta's rows) on minibatches
     ``batch_idx`` (int64 [steps, c, B]) or on ``full = (idx [c, n], w [c, n])`` (every row of
     the clients, padded). θ ← θ(1 − lr(l2 + prox)) + lr·prox·a − lr·g, the shrink and the
@@ -334,6 +350,8 @@ def _mlp_local_steps(model: MLP, th: torch.Tensor, data: ClientData, batch_idx: 
     ch.load(th)
     # the anchor in the chunk's layout (one block per layer: lerp_ in one contiguous pass)
     anchor = ch.blocks_of(a) if prox and a is not None else None
+    # lr_scale: a frozen layer (FedRep's body or head) is skipped, a mixed one scaled after its step
+    kinds = _block_kinds(ch, lr_scale)
     lerp = anchor is not None and model.l2 == 0
     beta = 1.0 if lerp else 1.0 - lr * (model.l2 + prox)
     if full is not None:
@@ -344,11 +362,17 @@ def _mlp_local_steps(model: MLP, th: torch.Tensor, data: ClientData, batch_idx: 
 
     def update(j, dz, inp):
         P = ch.params[j]
+        kind = None if kinds is None else kinds[j]
+        if kind is not None and not isinstance(kind, torch.Tensor):
+            return  # frozen
+        old = P.clone() if kind is not None else None
         if lerp:
             P.lerp_(anchor[j], lr * prox)
         P.baddbmm_(dz, inp, beta=beta, alpha=alpha)
         if anchor is not None and not lerp:
             P.add_(anchor[j], alpha=lr * prox)
+        if old is not None:  # θ_old + s ⊙ (θ_new − θ_old): the step scaled per coordinate
+            P.sub_(old).mul_(kind).add_(old)
 
     if full is not None:
         y = ch.gather(data, full[0])
@@ -396,13 +420,14 @@ def _native_mlp_steps(model: TorchNet, theta_t: torch.Tensor, data: ClientData, 
 
 def local_steps(model: TorchNet, theta_t: torch.Tensor, data: ClientData, rows_t: torch.Tensor,
                 batches_t: Optional[torch.Tensor], anchor_t: Optional[torch.Tensor], scale_t: Optional[torch.Tensor],
-                steps: int, lr: float, prox: float) -> None:
+                steps: int, lr: float, prox: float, lr_scale: Optional[torch.Tensor] = None) -> None:
     """``ops.local_steps`` for a torch net: in place on ``theta [R, d]``, for s = 0..steps-1
-    θ_r ← θ_r − lr·( grad_scale[r]·∇ℓ_i(θ_r; B_{r,s}) + l2·θ_r + prox·(θ_r − a_r) ), i = rows[r]."""
+    θ_r ← θ_r − lr·s ⊙ ( grad_scale[r]·∇ℓ_i(θ_r; B_{r,s}) + l2·θ_r + prox·(θ_r − a_r) ), i = rows[r],
+    s = ``lr_scale`` [d] (default 1)."""
     R = theta_t.shape[0]
     if steps == 0 or R == 0:
         return
-    if _native_mlp_steps(model, theta_t, data, batches_t, anchor_t, scale_t, steps, lr, prox):
+    if lr_scale is None and _native_mlp_steps(model, theta_t, data, batches_t, anchor_t, scale_t, steps, lr, prox):
         return
     grad = _grad_fn(model)
     rows_per_model = batches_t.shape[2] if batches_t is not None else _max_rows(data, rows_t)
@@ -415,10 +440,11 @@ def local_steps(model: TorchNet, theta_t: torch.Tensor, data: ClientData, rows_t
         if fast:
             scale = None if scale_t is None else scale_t[c0:c1]
             if batches_t is None:
-                _mlp_local_steps(model, th, data, None, _full_batch(data, rows_t[c0:c1]), a, scale, steps, lr, prox)
+                _mlp_local_steps(model, th, data, None, _full_batch(data, rows_t[c0:c1]), a, scale, steps, lr, prox,
+                                 lr_scale)
             else:  # the chunk's indices step-major and int64, once per call
                 idx = batches_t[c0:c1].transpose(0, 1).to(torch.int64).contiguous()
-                _mlp_local_steps(model, th, data, idx, None, a, scale, steps, lr, prox)
+                _mlp_local_steps(model, th, data, idx, None, a, scale, steps, lr, prox, lr_scale)
             return
         if batches_t is None:
             idx, w = _full_batch(data, rows_t[c0:c1])
@@ -433,11 +459,14 @@ def local_steps(model: TorchNet, theta_t: torch.Tensor, data: ClientData, rows_t
                 idx = batches_t[c0:c1, s].to(torch.int64)
                 x, y = data.x[idx], data.y[idx]
             g = model.flatten(grad(model.split(th), x, y, w))
+            old = th.clone() if lr_scale is not None else None
             if shrink != 1.0:
                 th.mul_(shrink)
             if prox and a is not None:
                 th.add_(a, alpha=lr * prox)
             th.add_(g, alpha=-lr)
+            if old is not None:  # θ_old + s ⊙ (θ_new − θ_old)
+                th.sub_(old).mul_(lr_scale).add_(old)
     _for_chunks(list(_chunks(model, R, rows_per_model, data.dtype, data.device)), work, data.device)
 
 
@@ -586,11 +615,12 @@ class NetsAdapter(Adapter):
     def _load(self):
         return torch, f"torch.func over all clients (torch {torch.__version__})"
 
-    def local_steps(self, model, theta, data, rows, batches, anchor, grad_scale, steps, lr, prox, trusted=False):
+    def local_steps(self, model, theta, data, rows, batches, anchor, grad_scale, steps, lr, prox, trusted=False,
+                    lr_scale=None):
         if steps == 0:
             return
         _values.glm_fault(model, theta, data, rows, batches, anchor, grad_scale)
-        local_steps(model, theta, data, _all_rows(data, rows), batches, anchor, grad_scale, steps, lr, prox)
+        local_steps(model, theta, data, _all_rows(data, rows), batches, anchor, grad_scale, steps, lr, prox, lr_scale)
 
     def gradients(self, model, theta, data, rows, batches, trusted=False):
         _values.glm_fault(model, theta, data, rows, batches)

@@ -197,7 +197,8 @@ class ReferenceAdapter(Adapter):
 
     # ---- model ops --------------------------------------------------------------------------
 
-    def local_steps(self, model, theta, data, rows, batches, anchor, grad_scale, steps, lr, prox, trusted=False):
+    def local_steps(self, model, theta, data, rows, batches, anchor, grad_scale, steps, lr, prox, trusted=False,
+                    lr_scale=None):
         if steps == 0:
             return
         _values.glm_fault(model, theta, data, rows, batches, anchor, grad_scale)
@@ -211,13 +212,14 @@ class ReferenceAdapter(Adapter):
             a = 0.0 if anchor is None else (anchor if anchor.dim() == 1 else anchor[r])
             a = a if net or anchor is None else a.view(model.P, model.C)
             scale = 1.0 if grad_scale is None else grad_scale[r]
+            step = lr if lr_scale is None else lr * (lr_scale if net else lr_scale.view(model.P, model.C))
             for s in range(steps):
                 X, y = (data.x[lo:hi], data.y[lo:hi]) if b is None else (data.x[b[r, s]], data.y[b[r, s]])
                 if net:
                     g = _net_grad(model, module, th, X, y)
                 else:
                     g = grad_sum(model, th, X, y) / X.shape[0]
-                th -= lr * (scale * g + model.l2 * th + prox * (th - a))
+                th -= step * (scale * g + model.l2 * th + prox * (th - a))
 
     def gradients(self, model, theta, data, rows, batches, trusted=False):
         _values.glm_fault(model, theta, data, rows, batches)
