@@ -35,7 +35,9 @@ STEP_SIZES = {
     "perfedavg": dict(alpha=BIG, beta=BIG, local_steps=3, batch_size=5),
     "perm": dict(warmup_rounds=2, lam_alpha=1.0, lr=BIG, alpha_every=2, fedavg_lr=BIG),
     "pfedme": dict(lam=15.0, lr=BIG, personal_lr=BIG, local_rounds=3),
+    "fedrep": dict(lr=BIG, head_steps=3, body_steps=2), "fedper": dict(lr=BIG, local_steps=3),
 }
+NETS_ONLY = {"fedrep", "fedper"}  # a shared body and a personal head: a GLM is refused
 
 
 def test_every_registered_algorithm_is_in_the_sweep():
@@ -64,6 +66,10 @@ def test_huge_step_sizes_end_finite_or_with_a_named_divergence(kind, family, fed
     data, make = MODELS[family]
     fed = federations[data]
     algorithm = A.REGISTRY[kind](**STEP_SIZES[kind])
+    if kind in NETS_ONLY and family != "mlp":
+        with pytest.raises(ValueError, match="model: expected a net"):
+            pflcore.run(algorithm, fed, make(fed), rounds=6, clients_per_round=4, progress=False)
+        return
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # e.g. "stat_error is not recorded" for the nets
         try:
