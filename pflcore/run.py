@@ -506,7 +506,10 @@ def resume(checkpoint: str, *, rounds: Optional[int] = None, progress: bool = Tr
     as in ``run``) whatever the number of ranks that wrote it. The result equals the
     uninterrupted run's bitwise (but the timing columns) when the number of ranks is the same.
     A round file that cannot be read (e.g. cut short by a full disk) is skipped with a warning
-    naming it, and the run continues from the newest intact round."""
+    naming it, and the run continues from the newest intact round. A custom algorithm's class
+    (and its state's) must be importable: one the checkpoint cannot find here (defined in the
+    script that ran, ``__main__``, or in a module not on the path) raises
+    ``checkpoint.MissingClassError`` naming the class and its module, and nothing is skipped."""
     if not isinstance(checkpoint, (str, os.PathLike)):
         raise ValueError(f"checkpoint: expected a folder path (str or os.PathLike), got {checkpoint!r}")
     checkpoint = os.fspath(checkpoint)

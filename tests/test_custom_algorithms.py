@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
 import sys
 import textwrap
 
 import pytest
+import torch
 
 from pflcore import experiments
 from pflcore.cli import main
@@ -207,3 +210,114 @@ def test_an_import_path_keeps_its_case(custom_module):
     assert type(alg) is cls and alg.lr == 0.1
     with pytest.raises(ConfigError, match=r"algorithms\.X: .*unexpected keyword argument 'nope'"):
         experiments.build_algorithm("X", {"type": f"{MODULE}:MyAvg", "lr": 0.1, "nope": 1}, fed, model)
+
+
+# ---- resuming a run of a custom algorithm in a new process ---------------------------------------
+
+FEDREP = SOURCE.replace("MyState", "FedRepState").replace("MyAvg", "FedRep")
+
+RUN = """
+import sys
+
+import torch
+
+import pflcore
+from pflcore import data, models
+
+if sys.argv[4] == "module":
+    from pflcore_test_fedrep import FedRep  # noqa: F811 (checkpoints then name that module)
+
+fed = data.synthetic(0.5, 0.5, num_clients=6, dim=5, num_classes=3, seed=0, size_scale=1, max_size=50)
+res = pflcore.run(FedRep(lr=0.05, local_steps=2), fed, models.Softmax(5, 3), rounds=int(sys.argv[2]),
+                  checkpoint=sys.argv[1], checkpoint_every=2, progress=False)
+torch.save(res.global_model, sys.argv[3])
+"""
+
+RESUME = """
+import sys
+import warnings
+
+import torch
+
+import pflcore
+from pflcore.checkpoint import MissingClassError
+
+warnings.simplefilter("error")  # a round skipped with a warning would fail here
+if sys.argv[4] == "import":
+    from pflcore_test_fedrep import FedRep, FedRepState  # noqa: F401 (what the message asks for)
+try:
+    res = pflcore.resume(sys.argv[1], rounds=int(sys.argv[2]), progress=False)
+except MissingClassError as exc:
+    print("MISSING", exc.classes)
+    print(exc)
+    sys.exit(3)
+torch.save(res.global_model, sys.argv[3])
+"""
+
+
+def _scripts(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "pflcore_test_fedrep.py").write_text(FEDREP)
+    # run.py defines FedRep in its __main__ (as the researcher's script did); "module" imports it instead
+    (tmp_path / "run.py").write_text(FEDREP + RUN)
+    (tmp_path / "resume.py").write_text(RESUME)
+    return src
+
+
+def _python(tmp_path, script, *args, path=()):
+    """``python script args`` with this process's pflcore (its sys.path) and ``path`` in front."""
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(p) for p in path] + [p for p in sys.path if p]))
+    return subprocess.run([sys.executable, str(tmp_path / script), *map(str, args)], env=env, cwd=str(tmp_path),
+                          capture_output=True, text=True, timeout=300)
+
+
+def _snapshot(folder):
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_resume_without_the_main_class_names_it_and_skips_nothing(tmp_path):
+    """The issue: a run whose FedRep was defined in its script (__main__), resumed from a new
+    process, reported every round file "truncated or corrupt" and then "no intact round"."""
+    src = _scripts(tmp_path)
+    ck, full = tmp_path / "ck", tmp_path / "full"
+    done = _python(tmp_path, "run.py", ck, 4, tmp_path / "w4.pt", "main")
+    assert done.returncode == 0, done.stderr
+    assert _python(tmp_path, "run.py", full, 6, tmp_path / "w6.pt", "main").returncode == 0
+    before = _snapshot(ck)
+    assert {"round_0000002.pt", "round_0000004.pt"} <= set(before)
+
+    failed = _python(tmp_path, "resume.py", ck, 6, tmp_path / "r.pt", "plain")
+    assert failed.returncode == 3, failed.stdout + failed.stderr
+    out = failed.stdout
+    assert "MISSING (('__main__', 'FedRep'), ('__main__', 'FedRepState'))" in out, out
+    assert "round_0000004.pt is intact" in out and "(module '__main__')" in out
+    assert "Define or import them in the script that resumes" in out and "from mymodule import FedRep" in out
+    assert "corrupt" not in out + failed.stderr and "no intact round" not in out
+    assert _snapshot(ck) == before, "nothing written, renamed or deleted"
+
+    # the fix the message gives: FedRep imported into the resuming script's __main__
+    resumed = _python(tmp_path, "resume.py", ck, 6, tmp_path / "r.pt", "import", path=[src])
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert torch.equal(torch.load(tmp_path / "r.pt"), torch.load(tmp_path / "w6.pt"))  # = the uninterrupted run
+
+
+def test_resume_without_the_module_names_it_and_with_it_continues(tmp_path):
+    src = _scripts(tmp_path)
+    ck = tmp_path / "ck"
+    assert _python(tmp_path, "run.py", ck, 4, tmp_path / "w4.pt", "module", path=[src]).returncode == 0
+    assert _python(tmp_path, "run.py", tmp_path / "full", 6, tmp_path / "w6.pt", "module",
+                   path=[src]).returncode == 0
+    before = _snapshot(ck)
+    failed = _python(tmp_path, "resume.py", ck, 6, tmp_path / "r.pt", "plain")  # the module is not on the path
+    assert failed.returncode == 3, failed.stdout + failed.stderr
+    out = failed.stdout
+    assert "MISSING (('pflcore_test_fedrep', 'FedRep'), ('pflcore_test_fedrep', 'FedRepState'))" in out, out
+    assert "of the module 'pflcore_test_fedrep', which this process cannot import (ModuleNotFoundError" in out
+    assert "PYTHONPATH" in out and "corrupt" not in out
+    assert _snapshot(ck) == before
+    # on the path, the module is imported by the checkpoint itself: nothing to import by hand
+    resumed = _python(tmp_path, "resume.py", ck, 6, tmp_path / "r.pt", "plain", path=[src])
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert torch.equal(torch.load(tmp_path / "r.pt"), torch.load(tmp_path / "w6.pt"))
