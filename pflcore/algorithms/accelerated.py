@@ -65,5 +65,15 @@ class Accelerated(Algorithm):
     def evaluated_models(self, state: AcceleratedState, ctx: Context):
         return self.algorithm.evaluated_models(state.inner, ctx)
 
+    @property
+    def working_copies(self) -> int:
+        return self.algorithm.working_copies
+
+    def clients_trained_per_round(self, m: int, clients_per_round: Optional[int]) -> int:
+        return self.algorithm.clients_trained_per_round(m, clients_per_round)
+
+    def training_note(self) -> str:
+        return self.algorithm.training_note()
+
     def residual(self, state: AcceleratedState) -> Optional[float]:
         return state.residual  # None before the first round: absent from the history

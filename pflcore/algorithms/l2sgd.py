@@ -59,6 +59,14 @@ class L2SGD(Algorithm):
         self.iterations = count_int(iterations, "iterations", n)
         self.batch_size = None if batch_size is None else count_int(batch_size, "batch_size", n)
 
+    working_copies = 0  # in place on the state's x
+
+    def clients_trained_per_round(self, m: int, clients_per_round: Optional[int]) -> int:
+        return m
+
+    def training_note(self) -> str:
+        return "every client takes part in every iteration (the paper's loopless method); clients_per_round is not used"
+
     def step_sizes(self, m: int):
         """(local step α/(n(1−p)), averaging factor αλ/(n p)) for n = m clients."""
         return self.lr / (m * (1 - self.p)), self.lr * self.lam / (m * self.p)

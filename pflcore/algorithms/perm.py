@@ -247,6 +247,13 @@ class PERM(Algorithm):
             if mine.numel():
                 state.theta[active[mine]] = home[q].to(ctx.dtype)
 
+    def clients_trained_per_round(self, m: int, clients_per_round: Optional[int]) -> int:
+        return m  # after the warm-up: every client's personalized model, each round
+
+    def training_note(self) -> str:
+        return (f"after its {self.warmup_rounds} warm-up rounds every one of the m personalized models takes "
+                "local steps each round (model shuffling, by design); clients_per_round samples the FedAvg rounds")
+
     def round(self, state: PERMState, ctx: Context, t: int) -> PERMState:
         if t <= self.warmup_rounds or self.single_loop:
             self._fedavg(state, ctx, t)

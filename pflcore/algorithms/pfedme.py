@@ -11,6 +11,7 @@ S trains. ``personal_eval``: "theta" evaluates θ_i, "local" evaluates w_i.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -40,6 +41,15 @@ class PFedMe(ServerModelFixedPoint, Algorithm):
         if personal_eval not in ("theta", "local"):
             raise ValueError(f"{self.name}: personal_eval must be 'theta' or 'local', got {personal_eval!r}")
         self.personal_eval = personal_eval
+
+    working_copies = 2  # the round's w_i and θ_i of every trainer
+
+    def clients_trained_per_round(self, m: int, clients_per_round: Optional[int]) -> int:
+        return m if self.train_all else super().clients_trained_per_round(m, clients_per_round)
+
+    def training_note(self) -> str:
+        return ("train_all=True, the paper's behaviour: all m clients train every round and the sampled ones are "
+                "averaged; train_all=False trains only the sampled clients" if self.train_all else "")
 
     def init(self, ctx: Context) -> PFedMeState:
         zeros = ctx.initial_models(ctx.m)
