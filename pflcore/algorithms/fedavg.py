@@ -15,8 +15,10 @@ class LocalState:
 
 
 class LocalTrain(Algorithm):
-    """Each client trains its own model: ``steps`` gradient steps of size ``lr`` per round, on
-    its full data or on minibatches of ``batch_size``. No communication."""
+    """LocalTrain, the local baseline of the personalization papers: each client trains its own
+    model alone. Every round, EVERY client (clients_per_round is not used; ``pflcore.run`` warns
+    when it is below m) takes ``steps`` gradient steps of size ``lr``, on its full data or on
+    minibatches of ``batch_size`` rows. No communication."""
 
     name = "LocalTrain"
 
@@ -52,8 +54,11 @@ class GlobalState:
 
 
 class FedAvg(ServerModelFixedPoint, Algorithm):
-    """FedAvg: the sampled clients take ``local_steps`` steps of size ``lr`` from the global
-    model; the server averages them with the client weights p_i (renormalized over the sample)."""
+    """FedAvg (B. McMahan et al., "Communication-Efficient Learning of Deep Networks from
+    Decentralized Data", AISTATS 2017; = GlobalTrain, the global baseline): each round the
+    sampled clients take ``local_steps`` steps of size ``lr`` from the global model, on their
+    full data or on minibatches of ``batch_size`` rows; the server averages them with the client
+    weights p_i (renormalized over the sample)."""
 
     name = "FedAvg"
 

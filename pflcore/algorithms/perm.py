@@ -152,6 +152,17 @@ class PERMState:
 
 
 class PERM(Algorithm):
+    """PERM ("Distributed Personalized Empirical Risk Minimization").
+
+    ``warmup_rounds`` rounds of FedAvg (sampled clients, ``fedavg_steps`` steps of size
+    ``fedavg_lr``, defaults ``local_steps`` and ``lr``) give w̃; the mixing weights α [m, m]
+    come from the clients' gradients at w̃ (water-filling with regularization ``lam_alpha``).
+    Then every round is a shuffling round: each of the m personalized models takes
+    ``local_steps`` steps of size ``lr`` on the client it visits, scaled by its α (all m models
+    train every round, whatever clients_per_round). ``single_loop=True`` keeps training w̃ every
+    round and recomputes α every ``alpha_every`` shuffling rounds. ``batch_size``: minibatch
+    rows (None: full batch). Personalized models: θ_i."""
+
     name = "PERM"
 
     def __init__(self, warmup_rounds: int, lam_alpha: float, lr: float, local_steps: int = 1,
