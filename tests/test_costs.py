@@ -207,3 +207,16 @@ def test_callbacks_every_round_after_a_resume(tmp_path):
     pflcore.resume(str(tmp_path / "ck"), rounds=6, progress=False,
                    callbacks=[lambda t, row, state, evaluated: ticks.append((t, evaluated))])
     assert ticks == [(4, True), (5, False), (6, True)]
+
+
+def test_the_cli_says_the_cost_on_one_line(tmp_path, capsys):
+    from pflcore.cli import main
+
+    argv = ["run", "rounds=2", "clients_per_round=10", "seeds=[0, 1]", "--algo", "pFedMe", "--algo", "FedAvg",
+            "--out", str(tmp_path), "--no-progress"]
+    assert main(argv) == 0
+    err = [line for line in capsys.readouterr().err.splitlines() if "clients per round" in line]
+    # once, for pFedMe (same message for both seeds), and nothing for FedAvg
+    assert len(err) == 1 and err[0].startswith("pflcore: warning: pFedMe trains 100 clients per round, 10x "
+                                               "clients_per_round = 10 (train_all=True"), err
+    assert "GiB" in err[0] or "KiB" in err[0] or "MiB" in err[0]
