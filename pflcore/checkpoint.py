@@ -41,6 +41,9 @@ Guarantees:
   run's fingerprint, ``run_digest``; files of the previous format are compared on their config)
   or whose per-client state has another number of clients is named too. ``load`` falls back to
   the newest round of this run whose files are all intact and warns which files it skipped.
+- A missing class is not a torn file. A file that names a class this process cannot import (an
+  algorithm defined in the script that ran, ``__main__``, or in a module not on the path) raises
+  MissingClassError naming the class, its module and what to import; no round is skipped for it.
 
 Restoring on W' ranks re-splits the per-client fields (``per_client()`` in the state
 dataclasses) along the clients: each rank reads the files of the ranks whose clients overlap
@@ -57,10 +60,12 @@ import glob
 import hashlib
 import json
 import os
+import pickle
 import re
 import secrets
 import socket
 import threading
+import types
 import warnings
 from dataclasses import fields, is_dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -83,6 +88,17 @@ class CheckpointError(ValueError):
 
 class CheckpointBusyError(CheckpointError):
     """The checkpoint folder is being written by another live process (it holds the folder's lock)."""
+
+
+class MissingClassError(CheckpointError):
+    """An intact checkpoint file holds objects whose classes this process cannot import (an
+    algorithm or state class defined in the script that ran, ``__main__``, or in a module not on
+    the path). ``classes`` lists them as (module, name), ``path`` names the file. Not a torn
+    file: it is never skipped, since every older round of the run needs the same classes."""
+
+    def __init__(self, message: str, *, classes: Tuple[Tuple[str, str], ...] = (), path: str = ""):
+        super().__init__(message)
+        self.classes, self.path = tuple(classes), path
 
 
 # ---- one writer per folder ----------------------------------------------------------------------
@@ -474,16 +490,88 @@ def claim(folder: str, fp: Dict[str, Any], comm: Comm, *, resuming: bool) -> Opt
 
 # ---- reading ------------------------------------------------------------------------------------
 
+class _Absent:
+    """Stands in for a class the unpickler cannot find, so that the load goes on and every missing
+    class of the file is named at once (the object built from it is thrown away)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __setstate__(self, state):
+        pass
+
+
+_unpickling = threading.local()  # .missing: the classes the current load could not find
+
+
+class _Unpickler(pickle.Unpickler):
+    """pickle's Unpickler that tells a class it cannot find apart from a torn file: the class
+    lookup of an intact file fails with AttributeError ("Can't get attribute 'FedRep' on
+    <module '__main__'>") or ImportError, which torch.load would pass on like any other error.
+    It records the class and goes on with a stand-in."""
+
+    def find_class(self, module, name):
+        try:
+            return super().find_class(module, name)
+        except (ImportError, AttributeError) as exc:
+            missing = getattr(_unpickling, "missing", None)
+            if missing is None:  # not inside _read: the plain behaviour
+                raise
+            if (module, name) not in [(m, n) for m, n, _ in missing]:
+                missing.append((module, name, exc))
+            return _Absent
+
+
+# pickle, with the Unpickler above, for torch.load(pickle_module=...) (torch subclasses its Unpickler)
+_pickle = types.ModuleType("pickle")
+_pickle.__dict__.update({k: v for k, v in vars(pickle).items() if not k.startswith("__")})
+_pickle.Unpickler = _Unpickler
+
+
+def _missing_classes(path: str, missing: List[Tuple[str, str, BaseException]]) -> MissingClassError:
+    """What to do when the intact file at ``path`` names classes this process cannot import."""
+    names = lambda items: ", ".join(repr(n) for _, n, _ in items)  # noqa: E731
+    main = [c for c in missing if c[0] == "__main__"]
+    other = [c for c in missing if c[0] != "__main__"]
+    parts = []
+    if main:
+        first = main[0][1]
+        parts.append(f"the class(es) {names(main)} defined in the script that ran it (module '__main__'), which "
+                     f"this process does not define ({type(main[0][2]).__name__}: {main[0][2]}). Define or import "
+                     f"them in the script that resumes, before calling resume (e.g. `from mymodule import "
+                     f"{first}`); for new runs define them in a module and import it, so that the checkpoints name "
+                     "that module")
+    for module in dict.fromkeys(m for m, _, _ in other):
+        mine = [c for c in other if c[0] == module]
+        cause = mine[0][2]
+        fix = (f"put {module!r} on the Python path (PYTHONPATH, or install its package) and import it before "
+               "resuming" if isinstance(cause, ImportError) else
+               f"it has no such class here: renamed or removed since the run? Import a module that defines it "
+               "before resuming")
+        parts.append(f"the class(es) {names(mine)} of the module {module!r}, which this process cannot import "
+                     f"({type(cause).__name__}: {cause}): {fix}")
+    return MissingClassError(f"checkpoint: {path} is intact but holds objects of " + "; and ".join(parts),
+                             classes=tuple((m, n) for m, n, _ in missing), path=path)
+
+
 def _read(path: str, what: str, keys=()) -> Any:
-    """torch.load of one checkpoint file, or a CheckpointError naming it."""
+    """torch.load of one checkpoint file, or a CheckpointError naming it (a MissingClassError
+    when the file is intact but names a class this process cannot import)."""
+    outer, _unpickling.missing = getattr(_unpickling, "missing", None), []
     try:
-        obj = torch.load(path, weights_only=False)
+        obj = torch.load(path, weights_only=False, pickle_module=_pickle)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint: {path} is missing ({what})") from None
     except Exception as exc:  # torch raises RuntimeError, EOFError, OSError, UnpicklingError ... on torn files
+        if _unpickling.missing:  # what failed after a stand-in was used says nothing about the file
+            raise _missing_classes(path, _unpickling.missing) from None
         detail = (str(exc).splitlines() or [""])[0].split(". ")[0][:160]  # torch's messages run on
         raise CheckpointError(f"checkpoint: {path} is unreadable ({what}; truncated or corrupt: "
                               f"{type(exc).__name__}: {detail})") from None
+    finally:
+        missing, _unpickling.missing = _unpickling.missing, outer
+    if missing:
+        raise _missing_classes(path, missing)
     if keys and (not isinstance(obj, dict) or any(k not in obj for k in keys)):
         raise CheckpointError(f"checkpoint: {path} is not a pflcore checkpoint file ({what}: expected the keys "
                               f"{list(keys)})")
@@ -603,11 +691,20 @@ def load(folder: str, lo: int, hi: int, comm: Optional[Comm] = None) -> dict:
         latest(folder)  # raises: no round yet
     skipped: List[str] = []
     for path in reversed(records):
+        missing = None
         try:
             record, problem = _load_round(folder, path, lo, hi, fp), None
+        except MissingClassError as exc:
+            record, problem, missing = None, str(exc), exc
         except CheckpointError as exc:
             record, problem = None, str(exc)
-        if comm.max(0.0 if problem is None else 1.0) > 0:  # a round is used only if every rank can read it
+        worst = comm.max(0.0 if problem is None else 2.0 if missing is not None else 1.0)
+        if worst == 2.0:  # an intact file whose class is missing here: every older round needs it too
+            if missing is not None:
+                raise missing
+            raise MissingClassError(f"checkpoint: {path} names a class that another rank cannot import (this is "
+                                    f"rank {comm.rank}; that rank's error names it)", path=path)
+        if worst > 0:  # a round is used only if every rank can read it
             skipped.append(problem or f"checkpoint: {path} is unreadable on another rank")
             continue
         if skipped:

@@ -20,6 +20,7 @@ import os
 import platform
 import sys
 import traceback
+import warnings
 from typing import Callable, List, Optional
 
 USAGE_ERROR, RUN_FAILED = 2, 1
@@ -66,6 +67,12 @@ def _info(_args) -> int:
     return 0
 
 
+def _warning_line(message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning as ``pflcore: warning: ...`` on stderr, on one line like the errors (not the
+    file, line and source line of Python's default)."""
+    print(f"pflcore: warning: {' '.join(str(message).split())}", file=sys.stderr)
+
+
 def _run(args) -> int:
     from pflcore import distributed, experiments
 
@@ -83,7 +90,9 @@ def _run(args) -> int:
             raise
         raise experiments.ConfigError(f"{exc} (in the override {culprit!r})", key=exc.key) from None
     comm = distributed.init()  # a torch.distributed group under torchrun, else one process
-    code = _run_experiment(args, cfg, experiments, comm)
+    with warnings.catch_warnings():  # what a run warns of (e.g. pFedMe's train_all cost): one line each
+        warnings.showwarning = _warning_line
+        code = _run_experiment(args, cfg, experiments, comm)
     # Only after success: a rank that failed mid-round must not enter a barrier its peers (still
     # inside another collective) would mistake for theirs; its exit drops their connections.
     if comm.world > 1:

@@ -11,7 +11,9 @@ it; ``pflcore.experiments`` prefixes its errors with the table they came from.
 from __future__ import annotations
 
 import difflib
+import importlib
 import inspect
+import warnings
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 from pflcore import algorithms as A
@@ -207,18 +209,114 @@ def check_model(spec: Any, where: str) -> None:
     _check_table({k: v for k, v in spec.items() if k != "family"}, params, where, extras=("family",))
 
 
+# Installed packages register algorithms under this entry point group (pyproject.toml:
+# [project.entry-points."pflcore.algorithms"] fedrep = "fedrep_alg:FedRep"); their names are
+# accepted by `type` like the built-in ones.
+ENTRY_POINT_GROUP = "pflcore.algorithms"
+
+
+def _normal(name: str) -> str:
+    """The form a name of ``type`` is compared in: "Per-FedAvg", "per_fedavg" and "perfedavg" alike."""
+    return name.lower().replace("-", "").replace("_", "")
+
+
+def is_import_path(kind: str) -> bool:
+    """``"package.module:Class"``: a class to import rather than a registered name."""
+    return ":" in kind
+
+
 def algorithm_kind(label: str, spec: Dict[str, Any]) -> str:
-    return str(spec.get("type", label)).lower().replace("-", "").replace("_", "")
+    """The registered name ``type`` (else the label) names, normalized; an import path
+    ("package.module:Class") as written, modules and classes being case-sensitive."""
+    kind = str(spec.get("type", label))
+    return kind.strip() if is_import_path(kind) else _normal(kind)
+
+
+def _entry_points() -> Dict[str, List[Any]]:
+    """Normalized name -> the entry points of group ``pflcore.algorithms`` of that name (read
+    anew each time: a package installed meanwhile counts; not loaded: loading imports it)."""
+    from importlib import metadata
+
+    try:
+        found = metadata.entry_points(group=ENTRY_POINT_GROUP)
+    except TypeError:  # Python 3.9: a dict of groups
+        found = metadata.entry_points().get(ENTRY_POINT_GROUP, [])
+    out: Dict[str, List[Any]] = {}
+    for ep in found:
+        out.setdefault(_normal(ep.name), [])
+        if all(e.value != ep.value for e in out[_normal(ep.name)]):  # one dist seen on two paths: once
+            out[_normal(ep.name)].append(ep)
+    return out
+
+
+def _as_algorithm(obj: Any, key: str, source: str) -> type:
+    if not (inspect.isclass(obj) and issubclass(obj, A.Algorithm)):
+        raise ConfigError(f"{key}: {source} is {obj!r}, expected a subclass of pflcore.algorithms.base.Algorithm "
+                          "(init, round, personalized/global_model)", key=key)
+    return obj
+
+
+def import_algorithm(path: str, key: str) -> type:
+    """The Algorithm subclass ``"package.module:Class"`` names (``Class`` may be dotted: a nested
+    class), imported with importlib; a ConfigError naming ``key`` when the module cannot be
+    imported, has no such attribute, or it is not an Algorithm."""
+    module_name, _, qualname = path.partition(":")
+    module_name, qualname = module_name.strip(), qualname.strip()
+    if not module_name or not qualname or ":" in qualname:
+        raise ConfigError(f"{key}: expected an algorithm name or an import path \"package.module:Class\", got {path!r}",
+                          key=key)
+    try:
+        obj = importlib.import_module(module_name)
+    except Exception as exc:  # not found, or the module itself fails (SyntaxError, NameError ...) on import
+        raise ConfigError(f"{key}: cannot import the module {module_name!r} of {path!r} ({type(exc).__name__}: "
+                          f"{exc}); expected \"package.module:Class\" with the module installed or on the Python "
+                          "path (PYTHONPATH)", key=key) from None
+    for part in qualname.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"{key}: the module {module_name!r} has no {qualname!r} (from {path!r})", key=key)
+        obj = getattr(obj, part)
+    return _as_algorithm(obj, key, repr(path))
+
+
+def algorithm_class(label: str, spec: Dict[str, Any]) -> type:
+    """The Algorithm class the table ``[algorithms.<label>]`` names by ``type`` (else by its
+    label): a built-in name, an installed package's entry point (group ``pflcore.algorithms``),
+    or an import path "package.module:Class". A built-in name takes precedence over an entry
+    point of the same name (with a warning: the package's class is not the one run)."""
+    key = f"algorithms.{label}.type"
+    kind = algorithm_kind(label, spec)
+    if is_import_path(kind):
+        return import_algorithm(kind, key)
+    plugins = _entry_points()
+    if kind in A.REGISTRY:
+        if kind in plugins:
+            warnings.warn(f"{key}: {kind!r} is a built-in algorithm and also the entry point "
+                          f"{plugins[kind][0].value!r} of group {ENTRY_POINT_GROUP!r}: the built-in one runs "
+                          "(name the package's class by its import path to run it)", RuntimeWarning, stacklevel=2)
+        return A.REGISTRY[kind]
+    if kind in plugins:
+        if len(plugins[kind]) > 1:
+            raise ConfigError(f"{key}: {kind!r} is registered by several packages (entry points "
+                              f"{', '.join(repr(e.value) for e in plugins[kind])} of group {ENTRY_POINT_GROUP!r}); "
+                              "name the one to run by its import path \"package.module:Class\"", key=key)
+        ep = plugins[kind][0]
+        try:
+            obj = ep.load()
+        except Exception as exc:  # the package is broken or half-installed: say which entry point
+            raise ConfigError(f"{key}: cannot load the entry point {ep.name} = {ep.value!r} of group "
+                              f"{ENTRY_POINT_GROUP!r} ({type(exc).__name__}: {exc})", key=key) from None
+        return _as_algorithm(obj, key, f"the entry point {ep.name} = {ep.value!r}")
+    known = sorted(set(A.REGISTRY) | set(plugins))
+    what = f"type = {spec['type']!r}" if "type" in spec else f"no type, and the label {label!r} names none"
+    raise ConfigError(f"{key}: unknown algorithm ({what}){suggest(kind, known)}; known: {', '.join(known)}, or an "
+                      "import path \"package.module:Class\"", key=key)
 
 
 def check_algorithm(label: str, spec: Any) -> None:
     where = f"algorithms.{label}"
     _expect(isinstance(spec, dict), where, "a table (e.g. [algorithms.FedAvg] with type = \"fedavg\")", spec)
     kind = algorithm_kind(label, spec)
-    if kind not in A.REGISTRY:
-        what = f"type = {spec['type']!r}" if "type" in spec else f"no type, and the label {label!r} names none"
-        raise ConfigError(f"{where}.type: unknown algorithm ({what}){suggest(kind, A.REGISTRY)}; known: "
-                          f"{', '.join(sorted(A.REGISTRY))}", key=f"{where}.type")
+    cls = algorithm_class(label, spec)
     if "anderson" in spec:
         _expect(is_int(spec["anderson"]) and spec["anderson"] >= 1, f"{where}.anderson",
                 "an integer >= 1 (the Anderson memory)", spec["anderson"])
@@ -227,7 +325,7 @@ def check_algorithm(label: str, spec: Any) -> None:
     if "model" in spec:
         check_model(spec["model"], f"{where}.model")
     special = {k[1]: v for k, v in SPECIAL_STRINGS.items() if k[0] == kind}
-    _check_table(spec, parameters(A.REGISTRY[kind]), where, extras=ALGORITHM_EXTRAS, special=special)
+    _check_table(spec, parameters(cls), where, extras=ALGORITHM_EXTRAS, special=special)
 
 
 def check(cfg: Dict[str, Any], generators: Dict[str, Callable]) -> None:

@@ -179,10 +179,8 @@ def build_algorithm(label: str, spec: Dict[str, Any], fed, model):
     spec = dict(spec)
     spec.pop("model", None)  # an algorithm's own [algorithms.X.model] (see run_experiment)
     kind = C.algorithm_kind(label, spec)
+    cls = C.algorithm_class(label, spec)  # built-in, entry point or "package.module:Class"
     spec.pop("type", None)
-    if kind not in A.REGISTRY:
-        raise ConfigError(f"{where}.type: unknown algorithm {kind!r}{C.suggest(kind, A.REGISTRY)}; known: "
-                          f"{sorted(A.REGISTRY)}", key=f"{where}.type")
     try:
         if kind == "fedprox" and spec.get("lam") == "adaptive":
             # λ from the heterogeneity R of the data and the training samples per client.
@@ -193,7 +191,7 @@ def build_algorithm(label: str, spec: Dict[str, Any], fed, model):
             spec["global_lr"], spec["local_lr"] = A.FedProx.step_sizes(L, spec["lam"])
         memory = spec.pop("anderson", None)  # `anderson = τ`: wrap in Anderson acceleration
         reg = float(spec.pop("anderson_reg", 1e-10))
-        alg = A.REGISTRY[kind](**spec)
+        alg = cls(**spec)
         return alg if memory is None else A.Accelerated(alg, memory=int(memory), reg=reg)
     except (ValueError, TypeError) as exc:
         raise _wrap(where, exc) from None

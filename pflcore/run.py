@@ -8,6 +8,7 @@ part of a checkpoint.
 """
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import time
@@ -298,6 +299,35 @@ def _evaluate(algorithm: Algorithm, state, ctx: Context, t: int, train_loss: str
     return row
 
 
+def _size(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:.3g} {unit}"
+        nbytes /= 1024
+
+
+def _training_cost(algorithm: Algorithm, state, ctx: Context, clients_per_round: Optional[int]) -> Optional[str]:
+    """The warning for an algorithm that trains more clients per round than ``clients_per_round``
+    (pFedMe's ``train_all``), with an estimate of the memory of its [m, d] matrices; None
+    otherwise. Called on every rank (the state's size is summed over them)."""
+    n = ctx.num_clients
+    trained = algorithm.clients_trained_per_round(n, clients_per_round)
+    if clients_per_round is None or trained <= clients_per_round:
+        return None
+    row = ctx.d * torch.empty((), dtype=ctx.dtype).element_size()  # bytes of one client's model
+    matrices = [t for _, t in state_tensors(state) if t.dim() == 2 and t.shape[0] == ctx.m and ctx.m > 1]
+    held = ctx.sum(sum(t.numel() * t.element_size() for t in matrices))
+    copies = algorithm.working_copies
+    need, sampled = held + copies * trained * row, held + copies * clients_per_round * row
+    note = algorithm.training_note()
+    return (f"{algorithm.name} trains {trained} clients per round, {trained / clients_per_round:.3g}x "
+            f"clients_per_round = {clients_per_round}{f' ({note})' if note else ''}: about "
+            f"{trained / clients_per_round:.3g}x the local work, and about {_size(need)} for its [m, d] "
+            f"matrices ({len(matrices)} in the state, {copies} working copies of the trained clients' models) vs "
+            f"{_size(sampled)} were only the sampled clients trained. An estimate, for m = {n}, d = {ctx.d}, "
+            f"{str(ctx.dtype).replace('torch.', '')}: the data, the kernels' buffers and the evaluation come on top")
+
+
 def _validate(algorithm, federation, model, rounds, clients_per_round, eval_every, seed):
     if not isinstance(algorithm, Algorithm):
         raise ValueError(f"algorithm: expected a pflcore.algorithms algorithm, got {type(algorithm).__name__}")
@@ -336,7 +366,20 @@ def _device(device) -> torch.device:
     return dev
 
 
+def _every_round(cb) -> bool:
+    """Whether ``cb`` takes the keyword ``evaluated`` (or ``**kwargs``): then it is called after
+    every round, else (cb(round, row, state), as before) after the evaluated ones only."""
+    try:
+        params = inspect.signature(cb).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: the old form
+        return False
+    return any(p.kind is p.VAR_KEYWORD or (p.name == "evaluated" and p.kind in (p.KEYWORD_ONLY,
+                                                                              p.POSITIONAL_OR_KEYWORD))
+               for p in params)
+
+
 def _callbacks(callbacks) -> list:
+    """[(callback, called every round)]."""
     try:
         cbs = list(callbacks)
     except TypeError:
@@ -345,7 +388,7 @@ def _callbacks(callbacks) -> list:
     bad = [cb for cb in cbs if not callable(cb)]
     if bad:
         raise ValueError(f"callbacks: expected callables cb(round, row, state), got {bad[0]!r}")
-    return cbs
+    return [(cb, _every_round(cb)) for cb in cbs]
 
 
 def _checkpoint_args(checkpoint, checkpoint_every, eval_every):
@@ -379,10 +422,17 @@ def run(algorithm: Algorithm, federation: Federation, model: GLM, *, rounds: int
     algorithm, hyperparameters, model, data, seed, clients per round, device or number of ranks)
     raises ``ValueError`` naming what differs, and one writer at a time: a run into a folder
     that another live process is writing raises ``checkpoint.CheckpointBusyError`` naming the
-    holder (a killed writer's lock is taken over). ``callbacks`` are called as
-    ``cb(round, metrics_row, state)``. ``train_loss``: "sample" (the mean loss on a fixed sample
-    of training rows, drawn once: up to 20,000 rows), "full" (every training row: a pass over
-    the training data at every evaluation) or "none".
+    holder (a killed writer's lock is taken over). ``callbacks`` are called after
+    the evaluated rounds as ``cb(round, metrics_row, state)``; a callback that takes a keyword
+    ``evaluated`` (or ``**kwargs``) is called after every round instead, as
+    ``cb(round, metrics_row, state, evaluated=True)`` on the evaluated rounds and
+    ``cb(round, None, state, evaluated=False)`` on the others (e.g. to time every round); a
+    callback runs before the round's checkpoint is written. ``train_loss``: "sample" (the mean
+    loss on a fixed sample of training rows, drawn once: up to 20,000 rows), "full" (every
+    training row: a pass over the training data at every evaluation) or "none". An algorithm
+    that trains more clients per round than ``clients_per_round`` (pFedMe's ``train_all``, the
+    paper's behaviour) gets a RuntimeWarning at the start saying so, with an estimate of the
+    memory of its [m, d] matrices.
 
     ``comm`` (default: the initialized torch.distributed group if it has several ranks, else
     one process) shards the clients over the ranks: every rank passes the same whole
@@ -444,6 +494,9 @@ def run(algorithm: Algorithm, federation: Federation, model: GLM, *, rounds: int
                         "client_steps_per_s": None})
     else:
         state, history, start = _resume["state"], _resume["history"], _resume["round"]
+    costly = _training_cost(algorithm, state, ctx, clients_per_round)  # once per run, before its rounds
+    if costly and comm.rank == 0:
+        warnings.warn(costly, RuntimeWarning, stacklevel=3)  # past releases_locks: the caller's line
     saved = f"round {start} in {checkpoint}" if _resume is not None else None  # the last checkpoint written
     bar = None
     if progress and comm.rank == 0:
@@ -480,12 +533,19 @@ def run(algorithm: Algorithm, federation: Federation, model: GLM, *, rounds: int
                 row["bytes_sent_per_round"] = sent / max(1, done)  # by this rank, in collectives
             history.append(row)
             elapsed, steps0, bytes0 = 0.0, ctx.client_steps, comm.bytes_sent
-            for cb in callbacks:
-                cb(t, row, state)
+            for cb, every in callbacks:
+                if every:
+                    cb(t, row, state, evaluated=True)
+                else:
+                    cb(t, row, state)
             if bar is not None:
                 acc = row.get("personalized_acc", row.get("global_acc"))
                 bar.set_postfix_str(("acc %.4f " % acc if acc is not None else "")
                                     + "steps/s %.3g" % (row["client_steps_per_s"] or 0))
+        else:  # a round without evaluation: only callbacks that take `evaluated` hear of it
+            for cb, every in callbacks:
+                if every:
+                    cb(t, None, state, evaluated=False)
         if checkpoint is not None and (t % checkpoint_every == 0 or t == rounds):
             ckpt.save(checkpoint, t, algorithm, state, history, config, federation, model, comm, (lo, hi), ranges)
             saved = f"round {t} in {checkpoint}"
@@ -506,7 +566,10 @@ def resume(checkpoint: str, *, rounds: Optional[int] = None, progress: bool = Tr
     as in ``run``) whatever the number of ranks that wrote it. The result equals the
     uninterrupted run's bitwise (but the timing columns) when the number of ranks is the same.
     A round file that cannot be read (e.g. cut short by a full disk) is skipped with a warning
-    naming it, and the run continues from the newest intact round."""
+    naming it, and the run continues from the newest intact round. A custom algorithm's class
+    (and its state's) must be importable: one the checkpoint cannot find here (defined in the
+    script that ran, ``__main__``, or in a module not on the path) raises
+    ``checkpoint.MissingClassError`` naming the class and its module, and nothing is skipped."""
     if not isinstance(checkpoint, (str, os.PathLike)):
         raise ValueError(f"checkpoint: expected a folder path (str or os.PathLike), got {checkpoint!r}")
     checkpoint = os.fspath(checkpoint)

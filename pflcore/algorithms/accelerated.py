@@ -28,6 +28,14 @@ class AcceleratedState:
 
 
 class Accelerated(Algorithm):
+    """Anderson acceleration of a fixed-point algorithm ("A Unifying Framework for Federated
+    Learning", §4.2): ``algorithm`` (FedAvg, pFedMe, the grand scheme ...: anything with
+    fixed_point/set_fixed_point) runs its round as a map u ← T(u), and the server replaces T(u)
+    by the Anderson (type II) mixture of the last ``memory`` + 1 pairs, regularized by ``reg``;
+    ``safeguard=True`` resets the history and takes the plain step T(u) when the residual grows
+    more than tenfold over the last accepted one. No extra
+    communication. ``anderson = τ`` in an experiment file wraps an algorithm in it."""
+
     def __init__(self, algorithm: Algorithm, memory: int = 5, reg: float = 1e-8, safeguard: bool = True):
         if not (hasattr(algorithm, "fixed_point") and hasattr(algorithm, "set_fixed_point")):
             raise ValueError(f"algorithm: {type(algorithm).__name__} does not expose a fixed-point state "
@@ -64,6 +72,16 @@ class Accelerated(Algorithm):
 
     def evaluated_models(self, state: AcceleratedState, ctx: Context):
         return self.algorithm.evaluated_models(state.inner, ctx)
+
+    @property
+    def working_copies(self) -> int:
+        return self.algorithm.working_copies
+
+    def clients_trained_per_round(self, m: int, clients_per_round: Optional[int]) -> int:
+        return self.algorithm.clients_trained_per_round(m, clients_per_round)
+
+    def training_note(self) -> str:
+        return self.algorithm.training_note()
 
     def residual(self, state: AcceleratedState) -> Optional[float]:
         return state.residual  # None before the first round: absent from the history

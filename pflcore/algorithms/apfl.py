@@ -38,6 +38,16 @@ class APFLState:
 
 
 class APFL(Algorithm):
+    """APFL (Y. Deng, M. Kamani, M. Mahdavi, "Adaptive Personalized Federated Learning", 2020,
+    Alg. 1).
+
+    Each round, every sampled client takes ``local_steps`` simultaneous steps of size ``lr`` on
+    its copy of the global model w_i and on its local model v_i (through the mixture
+    α_i v_i + (1 − α_i) w_i, α_i starting at ``alpha``); ``adaptive_alpha=True`` also moves α_i
+    by gradient steps of size ``alpha_lr`` (default ``lr``, the paper's eq. (10)). ``batch_size``:
+    minibatch rows (None: full batch). The server averages the w_i. Personalized models: the
+    mixtures with the current w."""
+
     name = "APFL"
 
     def __init__(self, alpha: float, lr: float, local_steps: int = 1, adaptive_alpha: bool = False,

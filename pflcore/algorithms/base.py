@@ -264,6 +264,23 @@ class Algorithm:
         """‖T(u) − u‖ of the last round for fixed-point methods, else None."""
         return None
 
+    # How many [trained clients, d] copies of the trained clients' models a round makes (FedAvg:
+    # θ of the sampled clients; pFedMe: w_i and θ_i): for the memory estimate of run's warning.
+    working_copies = 1
+
+    def clients_trained_per_round(self, m: int, clients_per_round: Optional[int]) -> int:
+        """How many of the ``m`` clients a round trains (runs local steps for): by default the
+        ``clients_per_round`` sampled ones (all m when None). An algorithm that trains more
+        (pFedMe with ``train_all``, LocalTrain, L2SGD, PERM after its warm-up: every client)
+        overrides it, and ``pflcore.run`` warns when it exceeds ``clients_per_round``, with the
+        memory it estimates (see ``training_note``)."""
+        return m if clients_per_round is None else min(int(clients_per_round), m)
+
+    def training_note(self) -> str:
+        """Why a round trains more clients than ``clients_per_round`` and how to change it (said in
+        run's warning); empty when it does not."""
+        return ""
+
     def hyperparameters(self) -> dict:
         return {k: v for k, v in vars(self).items() if not k.startswith("_")}
 

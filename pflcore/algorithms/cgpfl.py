@@ -67,6 +67,16 @@ class CGPFLState:
 
 
 class CGPFL(Algorithm):
+    """CGPFL ("Personalized Federated Learning with Contextualized Generalization", Alg. 1).
+
+    The server keeps ``num_contexts`` context models. Each round, every sampled client starts
+    from its context's model ω̃_i and, ``local_rounds`` times, takes ``inner_steps`` steps of size
+    ``lr`` on f_i(θ; D) + ``lam``/2‖θ − ω̃_i‖² (minibatches of ``batch_size`` rows; None: full
+    batch) and moves ω̃_i ← ω̃_i − ``beta``·``lam``(ω̃_i − θ_i); the server clusters the uploaded
+    ω̃_i with k-means (``kmeans_iters`` Lloyd iterations, warm-started; ``restarts`` k-means++
+    seeds at the first round) and moves each context model a fraction ``alpha`` toward its
+    clients' mean. Personalized models: θ_i."""
+
     name = "CGPFL"
 
     def __init__(self, num_contexts: int, lam: float, alpha: float = 1.0, beta: float = 0.005, lr: float = 0.005,
@@ -168,6 +178,12 @@ def generalization_term(d: int, K: int, n_samples: float) -> float:
 
 
 class CGPFLHeur(CGPFL):
+    """CGPFL-Heur ("Personalized Federated Learning with Contextualized Generalization", §4.4):
+    CGPFL whose number of contexts is chosen at the first round, among 1..``max_contexts``, by
+    minimizing e(K) = the generalization term + ``mu``·(the k-means cost of the personalized
+    models). Every round is then CGPFL's, with ``lam``, ``alpha``, ``beta``, ``lr``,
+    ``inner_steps``, ``local_rounds``, ``batch_size``, ``kmeans_iters`` and ``restarts`` as there."""
+
     """CGPFL whose number of contexts is chosen at the first round by minimizing e(K)."""
 
     name = "CGPFL-Heur"

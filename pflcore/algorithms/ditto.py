@@ -31,6 +31,15 @@ class DittoState:
 
 
 class Ditto(Algorithm):
+    """Ditto (T. Li, S. Hu, A. Beirami, V. Smith, "Ditto: Fair and Robust Federated Learning
+    Through Personalization", ICML 2021, Alg. 1).
+
+    Each round, every sampled client takes ``local_steps`` steps of size ``lr`` from the global
+    model (FedAvg's part, averaged by the server) and ``personal_steps`` steps (default
+    ``local_steps``) of size ``personal_lr`` (default ``lr``) on its personal model v_i, on
+    f_i(v) + ``lam``/2‖v − w‖². ``batch_size``: minibatch rows (None: full batch). Personalized
+    models: v."""
+
     name = "Ditto"
 
     def __init__(self, lam: float, lr: float, local_steps: int = 1, personal_lr: Optional[float] = None,

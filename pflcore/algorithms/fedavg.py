@@ -15,8 +15,10 @@ class LocalState:
 
 
 class LocalTrain(Algorithm):
-    """Each client trains its own model: ``steps`` gradient steps of size ``lr`` per round, on
-    its full data or on minibatches of ``batch_size``. No communication."""
+    """LocalTrain, the local baseline of the personalization papers: each client trains its own
+    model alone. Every round, EVERY client (clients_per_round is not used; ``pflcore.run`` warns
+    when it is below m) takes ``steps`` gradient steps of size ``lr``, on its full data or on
+    minibatches of ``batch_size`` rows. No communication."""
 
     name = "LocalTrain"
 
@@ -24,6 +26,14 @@ class LocalTrain(Algorithm):
         self.lr = positive(lr, "lr", self.name)
         self.steps = count_int(steps, "steps", self.name)
         self.batch_size = None if batch_size is None else count_int(batch_size, "batch_size", self.name)
+
+    working_copies = 0  # in place on the state's θ
+
+    def clients_trained_per_round(self, m: int, clients_per_round: Optional[int]) -> int:
+        return m
+
+    def training_note(self) -> str:
+        return "every client trains its own model every round; clients_per_round is not used"
 
     def init(self, ctx: Context) -> LocalState:
         return LocalState(ctx.initial_models(ctx.m))
@@ -44,8 +54,11 @@ class GlobalState:
 
 
 class FedAvg(ServerModelFixedPoint, Algorithm):
-    """FedAvg: the sampled clients take ``local_steps`` steps of size ``lr`` from the global
-    model; the server averages them with the client weights p_i (renormalized over the sample)."""
+    """FedAvg (B. McMahan et al., "Communication-Efficient Learning of Deep Networks from
+    Decentralized Data", AISTATS 2017; = GlobalTrain, the global baseline): each round the
+    sampled clients take ``local_steps`` steps of size ``lr`` from the global model, on their
+    full data or on minibatches of ``batch_size`` rows; the server averages them with the client
+    weights p_i (renormalized over the sample)."""
 
     name = "FedAvg"
 
@@ -71,14 +84,22 @@ class FedAvg(ServerModelFixedPoint, Algorithm):
 
 @dataclass
 class LocalizedState:
-    w: torch.Tensor      # [d] the global model
-    theta: torch.Tensor = per_client()  # [m, d] w fine-tuned on each client's training data
+    """The state of LocalizedFedAvg before it fine-tuned at evaluation only (it held the
+    fine-tuned θ [m, d] too): kept so that its checkpoints still load; FedAvg's GlobalState now."""
+    w: torch.Tensor
 
 
 class LocalizedFedAvg(FedAvg):
-    """FedAvg followed by local fine-tuning ("localized FedAvg", PERM's baseline): after each
-    round every client takes ``finetune_steps`` full-batch gradient steps of ``finetune_lr``
-    from the new global model on its own data; those are the personalized models."""
+    """Localized FedAvg (PERM's baseline, "Distributed Personalized Empirical Risk
+    Minimization"): FedAvg, whose global model every client then fine-tunes on its own data.
+
+    Each round is FedAvg's (``lr``, ``local_steps``, ``batch_size``: see FedAvg): the sampled
+    clients train from the global model and the server averages them. The personalized models are
+    computed only when the round is evaluated (``evaluated_models``): every client takes
+    ``finetune_steps`` full-batch gradient steps of size ``finetune_lr`` (default ``lr``) from the
+    global model on its own training data. That is what the fine-tuning after every round gave,
+    bitwise, without its cost on rounds that are not evaluated; the fine-tuning steps are not
+    counted as training client-steps (they are evaluation's)."""
 
     name = "LocalizedFedAvg"
 
@@ -88,14 +109,9 @@ class LocalizedFedAvg(FedAvg):
         self.finetune_steps = count_int(finetune_steps, "finetune_steps", self.name)
         self.finetune_lr = self.lr if finetune_lr is None else positive(finetune_lr, "finetune_lr", self.name)
 
-    def init(self, ctx: Context) -> LocalizedState:
-        return LocalizedState(ctx.initial_global(), ctx.initial_models(ctx.m))
-
-    def round(self, state: LocalizedState, ctx: Context, t: int) -> LocalizedState:
-        state = super().round(state, ctx, t)
-        state.theta = replicate(state.w, ctx.m)
-        ctx.local_steps(state.theta, steps=self.finetune_steps, lr=self.finetune_lr)
-        return state
-
-    def personalized(self, state: LocalizedState) -> torch.Tensor:
-        return state.theta
+    def evaluated_models(self, state: GlobalState, ctx: Context):
+        theta = replicate(state.w, ctx.m)
+        counted = ctx.client_steps
+        ctx.local_steps(theta, steps=self.finetune_steps, lr=self.finetune_lr)
+        ctx.client_steps = counted  # evaluation's work: client_steps_per_s is training throughput
+        return theta, state.w

@@ -23,6 +23,14 @@ class FedProxState:
 
 
 class FedProx(Algorithm):
+    """One-stage bilevel FedProx ("The Effect of Personalization in FedProx", Alg. 1).
+
+    Each round, every sampled client warm-starts θ_i from its last value and takes
+    ``local_steps`` steps θ_i ← θ_i − ``local_lr``(∇f_i(θ_i) + ``lam``(θ_i − w)); the server moves
+    w ← w − ``global_lr``·``lam``·(w − Σ_{i∈S} p_i θ_i). ``lam`` → 0 is local training, → ∞ global
+    training; ``adaptive_lambda``, ``step_sizes`` and ``smoothness`` give the paper's choices
+    (``lam = "adaptive"``, ``local_lr = "auto"`` in an experiment file). Personalized models: θ."""
+
     name = "FedProx"
 
     def __init__(self, lam: float, local_lr: float, global_lr: float, local_steps: int = 1):

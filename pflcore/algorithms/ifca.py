@@ -48,6 +48,17 @@ class IFCAState:
 
 
 class IFCA(Algorithm):
+    """IFCA (A. Ghosh, J. Chung, D. Yin, K. Ramchandran, "An Efficient Framework for Clustered
+    Federated Learning", NeurIPS 2020, Alg. 2 with model averaging).
+
+    The server keeps ``num_clusters`` models. Each round, every sampled client picks the cluster
+    model with the lowest training loss, takes ``local_steps`` steps of size ``lr`` from it
+    (minibatches of ``batch_size`` rows; None: full batch) and the server averages per cluster.
+    ``init``: "random" (the initial point + ``init_scale``·N(0, I) per cluster) or a [K, d]
+    tensor. ``relabel_all=True`` re-estimates every client's cluster after each round (one
+    batched evaluation of m·K losses), else only the sampled clients'. Personalized models: each
+    client's cluster model."""
+
     name = "IFCA"
 
     def __init__(self, num_clusters: int, lr: float, local_steps: int = 1, batch_size: Optional[int] = None,

@@ -47,6 +47,15 @@ def _uniform(rows: int, m: int, like: torch.Tensor) -> torch.Tensor:
 
 
 class L2SGD(Algorithm):
+    """L2SGD / L2GD (F. Hanzely, P. Richtárik, "Federated Learning of a Mixture of Global and
+    Local Models", 2020, Alg. 1).
+
+    A round is ``iterations`` iterations; each flips a coin with probability ``p``: an averaging
+    step pulls every x_i toward the mean by ``lr``·``lam``/(m·p), else every client takes a local
+    gradient step of size ``lr``/(m(1 − p)) (minibatches of ``batch_size`` rows; None: full
+    batch). Every client takes part in every step, so clients_per_round is not used (``pflcore.run``
+    warns when it is below m). Personalized models: x; global model: their mean."""
+
     name = "L2SGD"
 
     def __init__(self, lam: float, p: float, lr: float, iterations: int = 1, batch_size: Optional[int] = None):
@@ -58,6 +67,14 @@ class L2SGD(Algorithm):
         self.lr = positive(lr, "lr", n)
         self.iterations = count_int(iterations, "iterations", n)
         self.batch_size = None if batch_size is None else count_int(batch_size, "batch_size", n)
+
+    working_copies = 0  # in place on the state's x
+
+    def clients_trained_per_round(self, m: int, clients_per_round: Optional[int]) -> int:
+        return m
+
+    def training_note(self) -> str:
+        return "every client takes part in every iteration (the paper's loopless method); clients_per_round is not used"
 
     def step_sizes(self, m: int):
         """(local step α/(n(1−p)), averaging factor αλ/(n p)) for n = m clients."""

@@ -23,6 +23,15 @@ class PerFedAvgState:
 
 
 class PerFedAvg(Algorithm):
+    """Per-FedAvg (A. Fallah, A. Mokhtari, A. Ozdaglar, "Personalized Federated Learning with
+    Theoretical Guarantees: A Model-Agnostic Meta-Learning Approach", NeurIPS 2020).
+
+    Each round, every sampled client takes ``local_steps`` meta-steps from the global model w,
+    w ← w − ``beta``·ĝ with ĝ the gradient at w − ``alpha``∇f(w; D) on fresh minibatches of
+    ``batch_size`` rows (``variant="FO"``: first order; "HF": with the exact Hessian-vector
+    product term); the server averages them. The personalized model of a client is one step
+    w − ``alpha``∇f_i(w) on its data, computed when the round is evaluated."""
+
     name = "Per-FedAvg"
 
     def __init__(self, alpha: float, beta: float, variant: str = "FO", local_steps: int = 20, batch_size: int = 20):

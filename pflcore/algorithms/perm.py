@@ -152,6 +152,17 @@ class PERMState:
 
 
 class PERM(Algorithm):
+    """PERM ("Distributed Personalized Empirical Risk Minimization").
+
+    ``warmup_rounds`` rounds of FedAvg (sampled clients, ``fedavg_steps`` steps of size
+    ``fedavg_lr``, defaults ``local_steps`` and ``lr``) give w̃; the mixing weights α [m, m]
+    come from the clients' gradients at w̃ (water-filling with regularization ``lam_alpha``).
+    Then every round is a shuffling round: each of the m personalized models takes
+    ``local_steps`` steps of size ``lr`` on the client it visits, scaled by its α (all m models
+    train every round, whatever clients_per_round). ``single_loop=True`` keeps training w̃ every
+    round and recomputes α every ``alpha_every`` shuffling rounds. ``batch_size``: minibatch
+    rows (None: full batch). Personalized models: θ_i."""
+
     name = "PERM"
 
     def __init__(self, warmup_rounds: int, lam_alpha: float, lr: float, local_steps: int = 1,
@@ -246,6 +257,13 @@ class PERM(Algorithm):
         for q, mine in enumerate(picks):
             if mine.numel():
                 state.theta[active[mine]] = home[q].to(ctx.dtype)
+
+    def clients_trained_per_round(self, m: int, clients_per_round: Optional[int]) -> int:
+        return m  # after the warm-up: every client's personalized model, each round
+
+    def training_note(self) -> str:
+        return (f"after its {self.warmup_rounds} warm-up rounds every one of the m personalized models takes "
+                "local steps each round (model shuffling, by design); clients_per_round samples the FedAvg rounds")
 
     def round(self, state: PERMState, ctx: Context, t: int) -> PERMState:
         if t <= self.warmup_rounds or self.single_loop:

@@ -11,6 +11,7 @@ S trains. ``personal_eval``: "theta" evaluates θ_i, "local" evaluates w_i.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -25,6 +26,19 @@ class PFedMeState:
 
 
 class PFedMe(ServerModelFixedPoint, Algorithm):
+    """pFedMe (T. Dinh, N. Tran, T. Nguyen, "Personalized Federated Learning with Moreau
+    Envelopes", NeurIPS 2020, Alg. 1).
+
+    Each round, every trainer sets w_i ← θ_i ← w and, ``local_rounds`` times, draws a minibatch
+    of ``batch_size`` rows, takes ``inner_steps`` gradient steps of size ``personal_lr`` on
+    f_i(θ; D) + ``lam``/2‖θ − w_i‖² (the personal problem) and moves w_i ← w_i − ``lr``·``lam``
+    (w_i − θ_i); the server sets w ← (1 − ``beta``) w + ``beta`` Σ_{i∈S} p_i w_i over the sampled
+    clients S. ``train_all=True`` (the default, the paper's public code): ALL m clients train every
+    round and only the sampled ones are averaged, i.e. m/clients_per_round times the local work
+    and two more [m, d] working matrices (``pflcore.run`` warns with the estimate);
+    ``train_all=False`` trains only S. ``personal_eval``: "theta" evaluates the personal models
+    θ_i, "local" the local models w_i."""
+
     name = "pFedMe"
 
     def __init__(self, lam: float, lr: float, personal_lr: float, inner_steps: int = 5, local_rounds: int = 20,
@@ -40,6 +54,15 @@ class PFedMe(ServerModelFixedPoint, Algorithm):
         if personal_eval not in ("theta", "local"):
             raise ValueError(f"{self.name}: personal_eval must be 'theta' or 'local', got {personal_eval!r}")
         self.personal_eval = personal_eval
+
+    working_copies = 2  # the round's w_i and θ_i of every trainer
+
+    def clients_trained_per_round(self, m: int, clients_per_round: Optional[int]) -> int:
+        return m if self.train_all else super().clients_trained_per_round(m, clients_per_round)
+
+    def training_note(self) -> str:
+        return ("train_all=True, the paper's behaviour: all m clients train every round and the sampled ones are "
+                "averaged; train_all=False trains only the sampled clients" if self.train_all else "")
 
     def init(self, ctx: Context) -> PFedMeState:
         zeros = ctx.initial_models(ctx.m)

@@ -37,6 +37,17 @@ class SplittingState:
 
 
 class GrandScheme(Algorithm):
+    """The grand scheme of "A Unifying Framework for Federated Learning" (eqs. (42)–(44)).
+
+    Each round, on the sampled clients' rows of u [m, d]: z_i = (1 − ``alpha``) u_i + ``alpha``
+    P(u_i), w_i = (1 − ``beta``) z_i + ``beta`` P_H(z), u_i ← (1 − ``gamma``) u_i + ``gamma`` w_i,
+    where P is the proximal map of f_i with step η (``eta``; ``schedule`` "constant", "inverse"
+    η/t or "exponential": η·``decay`` every ``decay_period`` rounds) and P_H the weighted mean.
+    ``prox="steps"``: ``prox_steps`` gradient steps of size ``prox_lr`` (default η/(2(1 + η)));
+    ``prox="exact"``: a batched Cholesky solve (least squares). ``local_update="gradient"`` takes
+    gradient steps instead of the prox (the scheme's FedAvg). ``ergodic=True`` reports the
+    η-weighted average of the global models (Theorem 3). Personalized models: P(u_i)."""
+
     name = "GrandScheme"
 
     def __init__(self, alpha: float = 1.0, beta: float = 1.0, gamma: float = 1.0, eta: float = 0.1, *,
@@ -161,7 +172,13 @@ class GrandScheme(Algorithm):
 
 def _preset(name: str, alpha: float, beta: float, gamma: float):
     class Preset(GrandScheme):
-        __doc__ = f"{name}: the grand scheme with (α, β, γ) = ({alpha}, {beta}, {gamma})."
+        __doc__ = (f"{name} (\"A Unifying Framework for Federated Learning\", Table 3): the grand scheme "
+                   f"(GrandScheme) with (α, β, γ) = ({alpha}, {beta}, {gamma}): each round, the sampled clients "
+                   "take their proximal step from u_i, the server averages, and u moves as eqs. (42)–(44) "
+                   "say with these weights.\n\n    Its parameters are the "
+                   "grand scheme's others: the prox step ``eta`` and its ``schedule`` (``decay``, "
+                   "``decay_period``), ``prox`` (\"steps\": ``prox_steps`` steps of size ``prox_lr``; "
+                   "\"exact\"), ``local_update`` and ``ergodic``; see GrandScheme.")
 
         def __init__(self, eta: float = 0.1, **kwargs):
             super().__init__(alpha, beta, gamma, eta, **kwargs)
