@@ -281,7 +281,11 @@ def _evaluate(algorithm: Algorithm, state, ctx: Context, t: int, train_loss: str
     CGPFL's errors overflow rounds before their parameters do) reported as a DivergenceError of
     round ``t`` naming the quantity, on every rank alike (the models are checked, and the ranks
     agree, before any collective of the evaluation)."""
-    personal, w = algorithm.evaluated_models(state, ctx)
+    try:  # the models may be computed here (Per-FedAvg's step, LocalizedFedAvg's fine-tuning)
+        personal, w = algorithm.evaluated_models(state, ctx)
+    except NonFiniteError as exc:
+        raise _diverged(algorithm, t, f"computing the evaluated models met NaN/inf values ({exc})", saved,
+                        all_ranks=not ctx.sharded) from exc
     bad = next((name for name, tensor in (("the personalized models", personal), ("the global model", w))
                 if tensor is not None and not all_finite(tensor)), None)
     if ctx.comm.max(0.0 if bad is None else 1.0) > 0:

@@ -84,7 +84,8 @@ class _SharedBody(Algorithm):
 
 
 class FedPer(_SharedBody):
-    """FedPer: the sampled clients train every parameter (``local_steps`` steps of size ``lr``,
+    """FedPer (Arivazhagan et al., "Federated Learning with Personalization Layers", 2019).
+    Each round the sampled clients train every parameter (``local_steps`` steps of size ``lr``,
     minibatches of ``batch_size`` or full batch) from (shared body, own head); the server
     averages the bodies, each client keeps its head. Needs a net (``MLP``, ``CNN``)."""
 
@@ -100,7 +101,9 @@ class FedPer(_SharedBody):
 
 
 class FedRep(_SharedBody):
-    """FedRep: the sampled clients take ``head_steps`` steps on their head (body frozen), then
+    """FedRep (Collins et al., "Exploiting Shared Representations for Personalized Federated
+    Learning", ICML 2021, Alg. 1). Each round the sampled clients take ``head_steps`` steps on
+    their head (body frozen), then
     ``body_steps`` steps on the body (head frozen), of size ``lr`` (``head_lr`` for the head
     steps, default ``lr``), on minibatches of ``batch_size`` or full batch; the server averages
     the bodies, each client keeps its head. Needs a net (``MLP``, ``CNN``)."""
