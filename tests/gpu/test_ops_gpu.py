@@ -117,12 +117,13 @@ def test_kmeans_assign_and_update(name, dtype, N, K, d):
     labels_ref, sq_ref = ops.kmeans_assign_ref(points, centroids)
     weights = torch.rand(N, generator=g, dtype=dtype) + 0.1
     upd_ref = centroids.clone()
-    wsum_ref = km.kmeans_update_ref(points, labels_ref, weights, upd_ref)
+    with backend.use("reference"):  # the Lloyd update (ops.kmeans's cluster means) on the reference
+        wsum_ref = km.cluster_means(points, labels_ref, weights, upd_ref)
     dev = _device(name)
     with _use(name):
         labels, sq = ops.kmeans_assign(points.to(dev), centroids.to(dev))
         upd = centroids.to(dev).clone()
-        wsum = km._update(points.to(dev), labels_ref.to(dev), weights.to(dev), upd)
+        wsum = km.cluster_means(points.to(dev), labels_ref.to(dev), weights.to(dev), upd)
     assert torch.equal(labels.cpu(), labels_ref)
     torch.testing.assert_close(sq.cpu(), sq_ref, **TOL[dtype])
     torch.testing.assert_close(upd.cpu(), upd_ref, **TOL[dtype])
@@ -189,5 +190,6 @@ def test_raw_pointers_are_checked_before_the_cuda_module_reads_them():
     require("cuda")
     model, data = _glm_case("softmax", 5, 3, [3, 1, 7], torch.float32)
     theta = torch.zeros(model.d, 3, device=GPU).T  # [3, d], not contiguous
-    with backend.use("cuda"), pytest.raises(ValueError, match="theta: expected a contiguous tensor"):
+    with backend.use("cuda"), pytest.raises(ValueError,
+                                            match=r"theta: expected a contiguous array \(it is updated in place\)"):
         ops.local_steps(model, theta, data.to(GPU), steps=1, lr=0.1)
