@@ -38,6 +38,9 @@ class Adapter:
     name = ""
     devices: Tuple[str, ...] = ()
     auto = True  # may the automatic choice pick it (the Triton interpreter: only by name)
+    # whether its local_steps takes lr_scale (a per-coordinate step); the others' steps are then
+    # composed from their gradients (ops/local_steps.py)
+    takes_lr_scale = False
 
     def __init__(self):
         self._state: Optional[Tuple[object, str]] = None

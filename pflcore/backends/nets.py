@@ -320,15 +320,18 @@ def _mlp_logits_t(layers, x: torch.Tensor) -> torch.Tensor:
     return torch.baddbmm(b.unsqueeze(2), W, h.transpose(1, 2))
 
 
+_FROZEN = "frozen"  # a layer whose lr_scale block is all zeros
+
+
 def _block_kinds(ch, lr_scale: Optional[torch.Tensor]) -> Optional[list]:
-    """Per layer of the chunk: None (step as usual), 0.0 (frozen: no update) or the layer's block
-    of ``lr_scale`` (a mixed block: the usual step, then scaled coordinate by coordinate)."""
+    """Per layer of the chunk: None (step as usual), _FROZEN (no update) or the layer's block of
+    ``lr_scale`` (a mixed block: the usual step, then scaled coordinate by coordinate)."""
     if lr_scale is None:
         return None
     kinds = []
     for blk in ch.blocks_of(lr_scale):
         if not bool(blk.any()):
-            kinds.append(0.0)
+            kinds.append(_FROZEN)
         elif bool((blk == 1).all()):
             kinds.append(None)
         else:
@@ -363,8 +366,8 @@ def _mlp_local_steps(model: MLP, th: torch.Tensor, data: ClientData, batch_idx: 
     def update(j, dz, inp):
         P = ch.params[j]
         kind = None if kinds is None else kinds[j]
-        if kind is not None and not isinstance(kind, torch.Tensor):
-            return  # frozen
+        if kind is _FROZEN:
+            return
         old = P.clone() if kind is not None else None
         if lerp:
             P.lerp_(anchor[j], lr * prox)
@@ -610,6 +613,7 @@ class NetsAdapter(Adapter):
     """The torch nets' implementation (chosen by the model's type, on CPU and CUDA tensors)."""
 
     name = "nets"
+    takes_lr_scale = True
     devices = ("cpu", "cuda")
 
     def _load(self):

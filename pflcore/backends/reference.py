@@ -190,6 +190,7 @@ class ReferenceAdapter(Adapter):
     """Pure torch: every op, any device, GLMs and nets."""
 
     name = "reference"
+    takes_lr_scale = True
     devices = ("cpu", "cuda")
 
     def _load(self):

@@ -16,7 +16,6 @@ from torch.compiler import is_dynamo_compiling, is_exporting
 from pflcore import backend
 from pflcore._arrays import TORCH, from_tensor, to_tensor
 from pflcore._checks import MAX_COUNT, check_float, check_positive_int, check_real, check_shape
-from pflcore.models.nets import TorchNet
 from pflcore.ops import _compile
 from pflcore.ops._args import (IN_ALGORITHM, apart_from, batches_arg, check_data, check_model,
                                refuse_inside_algorithm, rows_arg, same_device, theta_arg, vector_arg)
@@ -51,7 +50,7 @@ def _lr_scale(lr_scale, x, d: int):
 
 def _masked_glm_steps(model, theta_t, data, rows_t, batches_t, anchor_t, scale_t, s_t, steps, lr, prox, trusted):
     """``local_steps`` of a GLM with a per-coordinate step ``s``: one batched ``gradients`` call
-    per step (on the backend that serves the tensors: native, cuda, triton or the reference),
+    per step (on the backend that serves the tensors: native, cuda or triton),
     then θ ← θ − lr·s ⊙ (grad_scale·∇ℓ + l2·θ + prox·(θ − a)) in torch. The GLM kernels have no
     per-coordinate step; a GLM's coordinates are rarely split into shared and personal parts."""
     impl = backend.select("gradients", model, theta_t)
@@ -130,10 +129,10 @@ def run_local_steps(model, theta, data, steps, lr, prox, anchor, batches, rows, 
     impl = backend.select("local_steps", model, theta_t)
     if s_t is None:
         impl.local_steps(model, theta_t, data, rows_t, batches_t, anchor_t, scale_t, steps, lr, prox, trusted)
-    elif isinstance(model, TorchNet):  # the nets adapter or the reference: both take lr_scale
+    elif impl.takes_lr_scale:  # the nets adapter and the reference
         impl.local_steps(model, theta_t, data, rows_t, batches_t, anchor_t, scale_t, steps, lr, prox, trusted,
                          lr_scale=s_t)
-    elif steps and R:
+    elif steps and R:  # a GLM kernel (native, cuda, triton): steps composed from its gradients
         _masked_glm_steps(model, theta_t, data, rows_t, batches_t, anchor_t, scale_t, s_t, steps, lr, prox, trusted)
     if kind is TORCH or kind.writable:
         return theta  # the caller's own array, updated in place
