@@ -220,6 +220,22 @@ void average_t(ptr_t theta, int64_t M, int64_t d, ptr_t weights, ptr_t rows, int
   raise_faults(faults);
 }
 
+template <typename T>
+int64_t clip_and_sum_t(ptr_t updates, int64_t R, int64_t d, ptr_t weights, double clip_norm, double noise_std,
+                       uint64_t seed, uint64_t counter, ptr_t out) {
+  require(R >= 0 && d >= 1 && (updates || R == 0) && out && clip_norm > 0.0 && noise_std >= 0.0, "clip_and_sum",
+          "expected R >= 0, d >= 1, clip_norm > 0, noise_std >= 0 and non-null buffers");
+  Faults faults;
+  int64_t clipped = 0;
+  {
+    py::gil_scoped_release nogil;
+    cpu::clip_and_sum<T>(as<const T>(updates), R, d, as<const T>(weights), clip_norm, noise_std, seed, counter,
+                         as<double>(out), &clipped, faults);
+  }
+  raise_faults(faults);
+  return clipped;
+}
+
 // The float64 instantiation when `f64`, else the float32 one.
 #define PFL_DISPATCH(f64, fn, ...) ((f64) ? fn<double>(__VA_ARGS__) : fn<float>(__VA_ARGS__))
 
@@ -311,6 +327,20 @@ PYBIND11_MODULE(_core, m) {
   m.def("average", [](bool f64, ptr_t theta, int64_t M, int64_t d, ptr_t weights, ptr_t rows, int64_t R, ptr_t out) {
     PFL_DISPATCH(f64, average_t, theta, M, d, weights, rows, R, out);
   });
+  m.def("clip_and_sum",
+        [](bool f64, ptr_t updates, int64_t R, int64_t d, ptr_t weights, double clip_norm, double noise_std,
+           uint64_t seed, uint64_t counter, ptr_t out) {
+          return PFL_DISPATCH(f64, clip_and_sum_t, updates, R, d, weights, clip_norm, noise_std, seed, counter, out);
+        },
+        "out [d] (float64) <- the tree-ordered sum of the clipped rows plus Gaussian noise; returns the number "
+        "of rows clipped");
+  m.def("dp_normals",
+        [](uint64_t seed, uint64_t counter, int64_t n, ptr_t out) {
+          require(n >= 0 && (out || n == 0), "dp_normals", "expected n >= 0 and a non-null buffer");
+          py::gil_scoped_release nogil;
+          cpu::dp_normals(seed, counter, n, as<double>(out));
+        },
+        "out [n] (float64) <- the clip_and_sum noise's standard normals for (seed, counter)");
   m.def("kernel_table",
         []() {
           return py::capsule(static_cast<const void*>(pflcore::kernel_table()), PFLCORE_KERNEL_TABLE_CAPSULE);

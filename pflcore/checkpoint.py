@@ -326,12 +326,15 @@ def _folder_digest(folder: str) -> str:
 
 
 def save(folder: str, t: int, algorithm, state, history, config, federation, model, comm: Comm,
-         client_range: Tuple[int, int], ranges: List[Tuple[int, int]]) -> None:
+         client_range: Tuple[int, int], ranges: List[Tuple[int, int]], privacy: Optional[dict] = None) -> None:
     """Writes round ``t`` (called by every rank of the run at the same point). A file that
-    cannot be written raises a CheckpointError naming it and the reason, on every rank."""
+    cannot be written raises a CheckpointError naming it and the reason, on every rank.
+    ``privacy``: the privacy mechanism's state (the same on every rank), restored on resume."""
     digest = _folder_digest(folder)  # the run.json that ``claim`` wrote: small, read once per round
     record = {"round": t, "algorithm": algorithm, "history": history, "config": config, "world": comm.world,
               "ranges": ranges, "run": digest}
+    if privacy is not None:
+        record["privacy"] = privacy
     fed_path = os.path.join(folder, FEDERATION)
 
     def mine():
@@ -376,9 +379,10 @@ def federation_digest(federation) -> str:
     return h.hexdigest()
 
 
-def fingerprint(algorithm, federation, model, *, seed: int, clients_per_round, device, ranks: int) -> Dict[str, Any]:
+def fingerprint(algorithm, federation, model, *, seed: int, clients_per_round, device, ranks: int,
+                privacy=None) -> Dict[str, Any]:
     """What defines a run's trajectory, as JSON-able strings and numbers."""
-    return {
+    out = {
         "algorithm": type(algorithm).__name__,
         "hyperparameters": {k: repr(v) for k, v in algorithm.hyperparameters().items()},
         "model": repr(model),
@@ -392,6 +396,9 @@ def fingerprint(algorithm, federation, model, *, seed: int, clients_per_round, d
         "device": torch.device(device).type,
         "ranks": ranks,
     }
+    if privacy is not None:  # absent without: the fingerprints of runs without privacy are unchanged
+        out["privacy"] = {k: repr(v) for k, v in privacy.as_dict().items()}
+    return out
 
 
 def _flat(d: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:

@@ -13,6 +13,7 @@ import math
 import os
 import time
 import warnings
+from dataclasses import fields as dataclass_fields
 from typing import Callable, Iterable, List, Optional, Tuple
 
 import torch
@@ -26,6 +27,7 @@ from pflcore.models.glm import GLM
 from pflcore.models.nets import TorchNet
 from pflcore.errors import NonFiniteError
 from pflcore.ops._args import inside
+from pflcore.privacy import Mechanism, Privacy
 from pflcore.result import Result
 
 
@@ -258,8 +260,12 @@ def _round(algorithm: Algorithm, state, ctx: Context, t: int, saved: Optional[st
     """One round; NaN/inf appearing inside it (an op's finiteness check) or in the new state is
     reported as a divergence of this round (on every rank, when any rank's state has it)."""
     try:
+        if ctx.privacy is not None:
+            ctx.privacy.begin_round(t)
         with inside(algorithm.name):  # the plain ops refuse to run in here: the algorithm uses ctx's
             state = algorithm.round(state, ctx, t)
+        if ctx.privacy is not None:
+            ctx.privacy.end_round(ctx)
     except NonFiniteError as exc:
         raise _diverged(algorithm, t, f"an intermediate result has NaN/inf values ({exc})", saved,
                         all_ranks=not ctx.sharded) from exc
@@ -268,6 +274,13 @@ def _round(algorithm: Algorithm, state, ctx: Context, t: int, saved: Optional[st
         where = f"state.{bad}" if bad is not None else f"the state of another rank (this is rank {ctx.comm.rank})"
         raise _diverged(algorithm, t, f"{where} has NaN/inf values", saved)
     return state
+
+
+def _privacy_columns(mechanism: Optional[Mechanism]) -> dict:
+    """``epsilon`` spent so far and the current ``clip_norm`` (nothing without privacy)."""
+    if mechanism is None:
+        return {}
+    return {"epsilon": mechanism.epsilon(), "clip_norm": mechanism.clip_norm}
 
 
 def _nonfinite_metrics(row: dict) -> List[str]:
@@ -417,7 +430,8 @@ def _checkpoint_args(checkpoint, checkpoint_every, eval_every):
 def run(algorithm: Algorithm, federation: Federation, model: GLM, *, rounds: int, clients_per_round: Optional[int] = None,
         seed: int = 0, eval_every: int = 1, device="cpu", progress: bool = True, checkpoint: Optional[str] = None,
         checkpoint_every: Optional[int] = None, callbacks: Iterable[Callable] = (),
-        comm: Optional[distributed.Comm] = None, train_loss: str = "sample", _resume=None) -> Result:
+        comm: Optional[distributed.Comm] = None, train_loss: str = "sample", privacy: Optional[Privacy] = None,
+        _resume=None) -> Result:
     """Run ``rounds`` rounds of ``algorithm`` on ``federation`` and record metrics every
     ``eval_every`` rounds (and after the last). ``checkpoint`` (a folder) with
     ``checkpoint_every`` saves the state so that ``resume(folder)`` continues bitwise
@@ -442,6 +456,12 @@ def run(algorithm: Algorithm, federation: Federation, model: GLM, *, rounds: int
     one process) shards the clients over the ranks: every rank passes the same whole
     federation and gets the same history; ``Result.personalized`` and ``Result.state`` hold
     this rank's clients (``Result.clients``), ``pflcore.distributed.gather_rows`` collects them.
+
+    ``privacy`` (``pflcore.Privacy``): client-level central differential privacy on whatever the
+    clients send to the server to be averaged (``pflcore.privacy.mechanism`` says what is
+    released); every evaluated row records ``epsilon`` (at the settings' δ) and ``clip_norm``.
+    An algorithm whose server sees individual clients' vectors otherwise (CGPFL, IFCA, PERM,
+    L2SGD, Anderson on a per-client fixed point) raises ValueError saying why.
     """
     _validate(algorithm, federation, model, rounds, clients_per_round, eval_every, seed)
     if train_loss not in ("sample", "full", "none"):
@@ -455,12 +475,27 @@ def run(algorithm: Algorithm, federation: Federation, model: GLM, *, rounds: int
     if federation.is_shard:
         raise ValueError("federation: expected the whole federation (every rank passes the same one; run shards "
                          f"it), got a shard of {federation.num_clients} of {federation.num_clients_total} clients")
+    if privacy is not None:
+        if not isinstance(privacy, Privacy):
+            raise ValueError(f"privacy: expected a pflcore.Privacy or None, got {type(privacy).__name__}")
+        if algorithm.dp_unsupported:
+            raise ValueError(f"privacy: {algorithm.name} cannot run under client-level DP: "
+                             f"{algorithm.dp_unsupported}")
     m = federation.num_clients
     whole = federation if federation.train.device == device or comm.world > 1 else federation.to(device)
     optimum = global_optimum(whole, model)
     config = {"algorithm": repr(algorithm), "federation": whole.name, "model": repr(model), "rounds": rounds,
               "clients_per_round": clients_per_round, "seed": seed, "eval_every": eval_every, "device": str(device),
               "checkpoint_every": checkpoint_every, "train_loss": train_loss}
+    mechanism = None
+    if privacy is not None:
+        cohort = m if clients_per_round is None else min(clients_per_round, m)
+        mechanism = Mechanism(privacy, population=m, cohort=cohort, releases=algorithm.dp_releases_per_round,
+                              rounds=rounds, seed=seed)
+        if _resume is not None and _resume.get("privacy") is not None:
+            mechanism.load_state_dict(_resume["privacy"])
+        config["privacy"] = {**privacy.as_dict(), "noise_multiplier_run": mechanism.noise_multiplier,
+                             "update_noise_multiplier": mechanism.update_noise}
     if optimum is not None:
         config["f_star"] = optimum[0]
         config["heterogeneity"] = heterogeneity(whole, model, optimum[1])
@@ -478,12 +513,12 @@ def run(algorithm: Algorithm, federation: Federation, model: GLM, *, rounds: int
         lo, hi, ranges, fed = 0, m, [(0, m)], whole
     if checkpoint is not None:  # before any work: a folder of another run is refused at once
         fp = ckpt.fingerprint(algorithm, federation, model, seed=seed, clients_per_round=clients_per_round,
-                              device=device, ranks=comm.world)
+                              device=device, ranks=comm.world, privacy=privacy)
         ckpt.claim(checkpoint, fp, comm, resuming=_resume is not None)
     why_no_truth = _truth_warning(federation, model)
     if why_no_truth and comm.rank == 0:
         warnings.warn(why_no_truth, RuntimeWarning, stacklevel=2)
-    ctx = Context(fed, model, device, seed, clients_per_round, comm=comm)
+    ctx = Context(fed, model, device, seed, clients_per_round, comm=comm, privacy=mechanism)
     if optimum is not None:
         ctx.f_star = optimum[0]
     if _resume is None:
@@ -495,7 +530,7 @@ def run(algorithm: Algorithm, federation: Federation, model: GLM, *, rounds: int
                             all_ranks=not ctx.sharded) from exc
         history, start = [], 0
         history.append({**_evaluate(algorithm, state, ctx, 0, train_loss, None), "seconds": 0.0,
-                        "client_steps_per_s": None})
+                        "client_steps_per_s": None, **_privacy_columns(mechanism)})
     else:
         state, history, start = _resume["state"], _resume["history"], _resume["round"]
     costly = _training_cost(algorithm, state, ctx, clients_per_round)  # once per run, before its rounds
@@ -535,6 +570,7 @@ def run(algorithm: Algorithm, federation: Federation, model: GLM, *, rounds: int
             row["client_steps_per_s"] = ctx.sum(ctx.client_steps - steps0) / slowest if slowest > 0 else None
             if comm.world > 1:
                 row["bytes_sent_per_round"] = sent / max(1, done)  # by this rank, in collectives
+            row.update(_privacy_columns(mechanism))
             history.append(row)
             elapsed, steps0, bytes0 = 0.0, ctx.client_steps, comm.bytes_sent
             for cb, every in callbacks:
@@ -551,7 +587,8 @@ def run(algorithm: Algorithm, federation: Federation, model: GLM, *, rounds: int
                 if every:
                     cb(t, None, state, evaluated=False)
         if checkpoint is not None and (t % checkpoint_every == 0 or t == rounds):
-            ckpt.save(checkpoint, t, algorithm, state, history, config, federation, model, comm, (lo, hi), ranges)
+            ckpt.save(checkpoint, t, algorithm, state, history, config, federation, model, comm, (lo, hi), ranges,
+                      privacy=None if mechanism is None else mechanism.state_dict())
             saved = f"round {t} in {checkpoint}"
         if bar is not None:
             bar.update(1)
@@ -586,7 +623,15 @@ def resume(checkpoint: str, *, rounds: Optional[int] = None, progress: bool = Tr
     return run(saved["algorithm"], base["federation"], base["model"], rounds=rounds or cfg["rounds"],
                clients_per_round=cfg["clients_per_round"], seed=cfg["seed"], eval_every=cfg["eval_every"],
                device=cfg["device"], progress=progress, checkpoint=checkpoint, checkpoint_every=cfg["checkpoint_every"],
-               callbacks=callbacks, comm=comm, train_loss=cfg.get("train_loss", "sample"), _resume=saved)
+               callbacks=callbacks, comm=comm, train_loss=cfg.get("train_loss", "sample"),
+               privacy=_saved_privacy(cfg), _resume=saved)
+
+
+def _saved_privacy(cfg: dict) -> Optional[Privacy]:
+    saved = cfg.get("privacy")
+    if saved is None:
+        return None
+    return Privacy(**{f.name: saved[f.name] for f in dataclass_fields(Privacy)})
 
 
 __all__ = ["run", "resume", "DivergenceError", "evaluate_round", "truth_layout"]

@@ -215,6 +215,14 @@ void average(const T* theta, int64_t M, const T* weights, const int64_t* rows, i
   active().average.of<T>()(theta, M, weights, rows, R, d, out, faults);
 }
 
+template <typename T>
+void clip_and_sum(const T* updates, int64_t R, int64_t d, const T* weights, double clip_norm, double noise_std,
+                  uint64_t seed, uint64_t counter, double* out, int64_t* clipped, Faults& faults) {
+  active().clip_and_sum.of<T>()(updates, R, d, weights, clip_norm, noise_std, seed, counter, out, clipped, faults);
+}
+
+void dp_normals(uint64_t seed, uint64_t counter, int64_t n, double* out) { active().dp_normals(seed, counter, n, out); }
+
 void anderson_solve(const double* G, int64_t k, double reg, double* pi) { active().anderson_solve(G, k, reg, pi); }
 
 void sample_batches(const int64_t* offsets, int64_t m, int64_t N, const int64_t* clients, int64_t first_id,
@@ -255,6 +263,10 @@ template void gram<double>(const double*, int64_t, int64_t, double*);
 template void average<float>(const float*, int64_t, const float*, const int64_t*, int64_t, int64_t, float*, Faults&);
 template void average<double>(const double*, int64_t, const double*, const int64_t*, int64_t, int64_t, double*,
                               Faults&);
+template void clip_and_sum<float>(const float*, int64_t, int64_t, const float*, double, double, uint64_t, uint64_t,
+                                  double*, int64_t*, Faults&);
+template void clip_and_sum<double>(const double*, int64_t, int64_t, const double*, double, double, uint64_t,
+                                   uint64_t, double*, int64_t*, Faults&);
 
 }  // namespace cpu
 }  // namespace pflcore

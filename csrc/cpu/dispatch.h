@@ -44,6 +44,10 @@ using GramFn = void (*)(const T*, int64_t, int64_t, double*);
 template <typename T>
 using AverageFn = void (*)(const T*, int64_t, const T*, const int64_t*, int64_t, int64_t, T*, Faults&);
 
+template <typename T>
+using ClipAndSumFn = void (*)(const T*, int64_t, int64_t, const T*, double, double, uint64_t, uint64_t, double*,
+                              int64_t*, Faults&);
+
 struct KernelTable {
   const char* level;  // "baseline", "avx2", "avx512" or "native"
   Typed<LocalStepsFn> local_steps;
@@ -55,6 +59,8 @@ struct KernelTable {
   Typed<AndersonMixFn> anderson_mix;
   Typed<GramFn> gram;
   Typed<AverageFn> average;
+  Typed<ClipAndSumFn> clip_and_sum;
+  void (*dp_normals)(uint64_t, uint64_t, int64_t, double*);
   void (*anderson_solve)(const double*, int64_t, double, double*);
   void (*sample_batches)(const int64_t*, int64_t, int64_t, const int64_t*, int64_t, int64_t, int64_t, int64_t,
                          uint32_t, uint32_t, int32_t*, Faults&);

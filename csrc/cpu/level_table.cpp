@@ -17,6 +17,8 @@ const KernelTable& level_table() {
     t.anderson_mix = {anderson_mix<float>, anderson_mix<double>};
     t.gram = {gram<float>, gram<double>};
     t.average = {average<float>, average<double>};
+    t.clip_and_sum = {clip_and_sum<float>, clip_and_sum<double>};
+    t.dp_normals = dp_normals;
     t.anderson_solve = anderson_solve;
     t.sample_batches = sample_batches;
     t.mlp_local_steps_supported = mlp_local_steps_supported;

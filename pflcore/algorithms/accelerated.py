@@ -50,6 +50,16 @@ class Accelerated(Algorithm):
                                 per_client=self._per_client)
 
     @property
+    def dp_releases_per_round(self) -> int:
+        return self.algorithm.dp_releases_per_round
+
+    @property
+    def dp_unsupported(self):
+        if self._per_client:  # FedSplit's u_i: the mixture needs every client's vector at the server
+            return "its Anderson mixing of a per-client fixed point needs every client's vector at the server"
+        return self.algorithm.dp_unsupported  # a server-side mixture of released models: post-processing
+
+    @property
     def _per_client(self) -> bool:
         return bool(getattr(self.algorithm, "fixed_point_per_client", False))
 

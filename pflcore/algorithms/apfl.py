@@ -88,7 +88,7 @@ class APFL(Algorithm):
                     a = (a - self.alpha_lr * da).clamp_(0.0, 1.0)
         state.v[S] = V
         state.alpha[S] = a
-        state.w = ctx.average(W, ctx.weights[S])
+        state.w = ctx.average(W, ctx.weights[S], center=state.w)
         return state
 
     def personalized(self, state: APFLState) -> torch.Tensor:

@@ -74,6 +74,8 @@ class Context:
     weights: torch.Tensor = field(init=False)
     num_clients: int = field(init=False)  # clients of the whole federation
     num_rows: int = field(init=False)     # training rows of the whole federation
+    # client-level DP (pflcore.privacy.Mechanism): privatizes ctx.average inside rounds
+    privacy: Optional[object] = None
     # index tensors this context drew (sample_clients, batches): id -> (tensor, version when drawn)
     _drawn: dict = field(init=False, repr=False, default_factory=dict)
 
@@ -116,10 +118,14 @@ class Context:
         draw over all ``num_clients`` comes from a generator keyed by (seed, t) alone, so a
         resumed or sharded run draws the same clients."""
         n = self.num_clients
+        poisson = self.privacy is not None and self.privacy.privacy.sampling == "poisson"
         if self.clients_per_round is None or self.clients_per_round >= n:
             return torch.arange(self.m, device=self.device)
         g = torch.Generator().manual_seed((self.seed * 1_000_003 + t * 7919 + 17) & 0x7FFFFFFFFFFFFFFF)
-        chosen = torch.randperm(n, generator=g)[: self.clients_per_round].sort().values
+        if poisson:  # DP's Poisson cohorts: each client independently with probability k / N
+            chosen = torch.nonzero(torch.rand(n, generator=g, dtype=torch.float64) < self.clients_per_round / n)[:, 0]
+        else:
+            chosen = torch.randperm(n, generator=g)[: self.clients_per_round].sort().values
         if self.m != n:  # keep this rank's clients, as local indices
             lo = self.first_client
             chosen = chosen[(chosen >= lo) & (chosen < lo + self.m)] - lo
@@ -191,10 +197,15 @@ class Context:
     def sharded(self) -> bool:
         return self.comm.world > 1
 
-    def average(self, theta: torch.Tensor, weights: torch.Tensor, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def average(self, theta: torch.Tensor, weights: torch.Tensor, rows: Optional[torch.Tensor] = None, *,
+                center: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``[d]`` P_H: Σ w_r θ_r / Σ w_r over ``rows`` of ``theta [R, d]`` on every rank (``ops.average``
         in one process; sharded: one all-reduce of the float64 weighted sum and weight, so a
-        rank with no rows takes part with zeros)."""
+        rank with no rows takes part with zeros). ``center`` (``[d]``): what the server sent the
+        clients whose rows these are; a run with privacy (pflcore.privacy) clips each row's
+        difference from it and releases the noised mean instead (the weights are then dropped)."""
+        if self.privacy is not None and self.privacy.in_round:
+            return self.privacy.average(self, theta, center, rows)
         if not self.sharded:
             return run_average(theta, weights, rows)
         if rows is not None:
@@ -209,6 +220,11 @@ class Context:
         if not float(acc[d]) > 0:
             raise ValueError("weights: the weights of the averaged rows sum to 0 (over all ranks)")
         return (acc[:d] / acc[d]).to(theta.dtype)
+
+    def _not_private(self, what: str) -> None:
+        if self.privacy is not None and self.privacy.in_round:
+            raise ValueError(f"privacy: {what} sees every client's vector at the server; it has no client-level DP "
+                             "form here (run without privacy, or aggregate with ctx.average)")
 
     def sum(self, value):
         """Sum over ranks (identity in one process) of a number or tensor."""
@@ -227,12 +243,14 @@ class Context:
     def kmeans(self, points: torch.Tensor, k: Optional[int] = None, *, init="k-means++", iters: int = 100,
                tol: float = 1e-6, seed: int = 0, weights=None) -> "ops.KMeans":
         """``ops.kmeans`` over the points of every rank (labels of the local points)."""
+        self._not_private("ctx.kmeans")
         return run_kmeans(points, k, init, iters, tol, seed, weights, self.comm)
 
     def cluster_means(self, points: torch.Tensor, labels: torch.Tensor, weights: Optional[torch.Tensor],
                       centroids: torch.Tensor) -> torch.Tensor:
         """``centroids`` ← weighted cluster means over every rank's points, in place (empty
         clusters keep theirs); returns the clusters' float64 weights."""
+        self._not_private("ctx.cluster_means")
         return ops.cluster_means(points, labels, weights, centroids, self.comm)
 
 
@@ -240,6 +258,10 @@ class Algorithm:
     """Base class: subclasses set ``name`` and implement init/round/personalized/global_model."""
 
     name = "algorithm"
+    # client-level DP (pflcore.privacy): the ctx.average releases of one round, and why the
+    # algorithm cannot run under privacy (None: it can)
+    dp_releases_per_round = 1
+    dp_unsupported: Optional[str] = None
 
     def init(self, ctx: Context):
         raise NotImplementedError

@@ -78,6 +78,7 @@ class CGPFL(Algorithm):
     clients' mean. Personalized models: θ_i."""
 
     name = "CGPFL"
+    dp_unsupported = "its server clusters the clients' individual uploads (k-means on each ω̃_i)"
 
     def __init__(self, num_contexts: int, lam: float, alpha: float = 1.0, beta: float = 0.005, lr: float = 0.005,
                  inner_steps: int = 5, local_rounds: int = 10, batch_size: Optional[int] = 20,

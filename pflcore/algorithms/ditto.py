@@ -72,7 +72,7 @@ class Ditto(Algorithm):
         ctx.local_steps(V, steps=self.personal_steps, lr=self.personal_lr, prox=self.lam,
                         anchor=state.w, rows=S, batches=bv)
         state.v[S] = V
-        state.w = ctx.average(W, ctx.weights[S])
+        state.w = ctx.average(W, ctx.weights[S], center=state.w)
         return state
 
     def personalized(self, state: DittoState) -> torch.Tensor:

@@ -21,6 +21,7 @@ class LocalTrain(Algorithm):
     minibatches of ``batch_size`` rows. No communication."""
 
     name = "LocalTrain"
+    dp_releases_per_round = 0  # nothing leaves a client
 
     def __init__(self, lr: float, steps: int = 1, batch_size: Optional[int] = None):
         self.lr = positive(lr, "lr", self.name)
@@ -75,7 +76,7 @@ class FedAvg(ServerModelFixedPoint, Algorithm):
         theta = replicate(state.w, S.numel())
         b = None if self.batch_size is None else ctx.batches(t, 0, S, self.local_steps, self.batch_size)
         ctx.local_steps(theta, steps=self.local_steps, lr=self.lr, rows=S, batches=b)
-        state.w = ctx.average(theta, ctx.weights[S])
+        state.w = ctx.average(theta, ctx.weights[S], center=state.w)
         return state
 
     def global_model(self, state: GlobalState) -> torch.Tensor:

@@ -75,7 +75,7 @@ class FedProx(Algorithm):
         ctx.local_steps(theta, steps=self.local_steps, lr=self.local_lr, prox=self.lam,
                         anchor=state.w, rows=S)
         state.theta[S] = theta
-        state.w = state.w - self.global_lr * self.lam * (state.w - ctx.average(theta, ctx.weights[S]))
+        state.w = state.w - self.global_lr * self.lam * (state.w - ctx.average(theta, ctx.weights[S], center=state.w))
         return state
 
     def personalized(self, state: FedProxState) -> torch.Tensor:

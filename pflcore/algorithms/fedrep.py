@@ -73,7 +73,8 @@ class _SharedBody(Algorithm):
         theta = self._with_body(state.heads[S], state.w, head).contiguous()
         self._train(theta, ctx, t, S, head)
         state.heads[S] = theta
-        state.w = ctx.average(theta, ctx.weights[S])  # its body is the new shared body
+        # its body is the new shared body; the heads stay on the clients (sent as the old w's: no release)
+        state.w = ctx.average(self._with_body(state.w, theta, head).contiguous(), ctx.weights[S], center=state.w)
         return state
 
     def _batches(self, ctx: Context, t: int, stream: int, S: torch.Tensor, steps: int):

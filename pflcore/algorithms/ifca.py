@@ -60,6 +60,7 @@ class IFCA(Algorithm):
     client's cluster model."""
 
     name = "IFCA"
+    dp_unsupported = "its server averages within the clusters the clients chose, which releases every cluster's membership"
 
     def __init__(self, num_clusters: int, lr: float, local_steps: int = 1, batch_size: Optional[int] = None,
                  init: Union[str, torch.Tensor] = "random", init_scale: float = 0.1, relabel_all: bool = True):

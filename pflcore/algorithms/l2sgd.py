@@ -57,6 +57,7 @@ class L2SGD(Algorithm):
     warns when it is below m). Personalized models: x; global model: their mean."""
 
     name = "L2SGD"
+    dp_unsupported = "its server averages a random number of times per round"
 
     def __init__(self, lam: float, p: float, lr: float, iterations: int = 1, batch_size: Optional[int] = None):
         n = self.name

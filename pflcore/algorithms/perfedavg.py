@@ -58,7 +58,7 @@ class PerFedAvg(Algorithm):
             if self.variant == "HF":
                 g = g - self.alpha * ctx.hvp(W, g, batches=D3, rows=S)
             W = W - self.beta * g
-        state.w = ctx.average(W.contiguous(), ctx.weights[S])
+        state.w = ctx.average(W.contiguous(), ctx.weights[S], center=state.w)
         return state
 
     def evaluated_models(self, state: PerFedAvgState, ctx: Context):

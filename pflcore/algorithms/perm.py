@@ -164,6 +164,8 @@ class PERM(Algorithm):
     rows (None: full batch). Personalized models: θ_i."""
 
     name = "PERM"
+    dp_unsupported = ("its mixing weights are computed at the server from every client's gradient, and its "
+                      "personalized models visit other clients (model shuffling)")
 
     def __init__(self, warmup_rounds: int, lam_alpha: float, lr: float, local_steps: int = 1,
                  single_loop: bool = False, alpha_every: int = 10, fedavg_lr: Optional[float] = None,
@@ -197,7 +199,7 @@ class PERM(Algorithm):
         theta = replicate(state.w, S.numel())
         b = None if self.batch_size is None else ctx.batches(t, 0, S, self.fedavg_steps, self.batch_size)
         ctx.local_steps(theta, steps=self.fedavg_steps, lr=self.fedavg_lr, rows=S, batches=b)
-        state.w = ctx.average(theta, ctx.weights[S])
+        state.w = ctx.average(theta, ctx.weights[S], center=state.w)
 
     def _shuffle(self, state: PERMState, ctx: Context, t: int) -> None:
         m, r, held = ctx.num_clients, state.shuffle_rounds, ctx.m

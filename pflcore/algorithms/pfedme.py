@@ -82,7 +82,7 @@ class PFedMe(ServerModelFixedPoint, Algorithm):
             w_local -= self.lr * self.lam * (w_local - theta)
         state.w_local[trainers] = w_local
         state.theta[trainers] = theta
-        mean = ctx.average(state.w_local[S].contiguous(), ctx.weights[S])
+        mean = ctx.average(state.w_local[S].contiguous(), ctx.weights[S], center=state.w)
         state.w = (1 - self.beta) * state.w + self.beta * mean
         return state
 

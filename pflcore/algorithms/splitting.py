@@ -49,6 +49,7 @@ class GrandScheme(Algorithm):
     η-weighted average of the global models (Theorem 3). Personalized models: P(u_i)."""
 
     name = "GrandScheme"
+    dp_releases_per_round = 2  # P_H of z (the step) and of the prox points (the global model)
 
     def __init__(self, alpha: float = 1.0, beta: float = 1.0, gamma: float = 1.0, eta: float = 0.1, *,
                  prox: str = "steps", prox_steps: int = 10, prox_lr: Optional[float] = None,
@@ -133,12 +134,12 @@ class GrandScheme(Algorithm):
         p = self._local(u, S, ctx, eta)
         z = (1 - self.alpha) * u + self.alpha * p
         weights = ctx.weights[S]
-        w = (1 - self.beta) * z + self.beta * ctx.average(z.contiguous(), weights)
+        w = (1 - self.beta) * z + self.beta * ctx.average(z.contiguous(), weights, center=state.w)
         u_new = (1 - self.gamma) * u + self.gamma * w
         state.residual = ctx.norm(u_new - u)
         state.u[S] = u_new
         state.prox[S] = p
-        state.w = ctx.average(p.contiguous(), weights)
+        state.w = ctx.average(p.contiguous(), weights, center=state.w)
         state.w_ergodic = state.w_ergodic + eta * state.w
         state.eta_sum += eta
         return state

@@ -15,6 +15,7 @@ written when a check fails.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -265,6 +266,24 @@ def average_fault(theta: torch.Tensor, weights: torch.Tensor, rows: Optional[tor
     r = _first(~rows_finite(th))
     if r >= 0:
         _raise(NonFiniteError, f"theta: row {r if safe is None else int(safe[r])} holds a NaN or infinite value")
+
+
+def clip_and_sum_fault(updates: torch.Tensor, weights: Optional[torch.Tensor]) -> None:
+    """The native kernel's checks, in row order: a row whose norm is not finite, a weight
+    outside [0, 1]."""
+    norms = torch.linalg.vector_norm(updates.to(torch.float64), dim=1)
+    bad_row = ~torch.isfinite(norms)
+    bad_w = torch.zeros_like(bad_row) if weights is None else \
+        ~(torch.isfinite(weights) & (weights >= 0) & (weights <= 1))
+    r = _first(bad_row | bad_w)
+    if r < 0:
+        return
+    if bool(bad_row[r]):
+        _raise(NonFiniteError, f"updates: row {r} holds a NaN or infinite value (or its norm overflows)")
+    v = float(weights[r])
+    _raise(ValueError if math.isfinite(v) else NonFiniteError,
+           f"weights: expected weights in [0, 1] (a client's contribution is bounded by clip_norm), "
+           f"got weights[{r}] = {v:g}")
 
 
 def finite_rows(t: torch.Tensor, name: str) -> None:

@@ -148,6 +148,18 @@ class NativeAdapter(Adapter):
         self._core.anderson_solve(G.data_ptr(), G.shape[0], float(reg), pi.data_ptr())
         return pi
 
+    def clip_and_sum(self, updates, weights, clip_norm: float, noise_std: float, seed: int, counter: int):
+        R, d = updates.shape
+        out = torch.empty(d, dtype=_F64)
+        clipped = self._core.clip_and_sum(updates.dtype is _F64, updates.data_ptr() if R else 0, R, d, _ptr(weights),
+                                          clip_norm, noise_std, seed, counter, out.data_ptr())
+        return out, int(clipped)
+
+    def dp_normals(self, n: int, seed: int, counter: int):
+        out = torch.empty(n, dtype=_F64)
+        self._core.dp_normals(seed, counter, n, out.data_ptr() if n else 0)
+        return out
+
     def average(self, theta, weights, rows):
         M, d = theta.shape
         out = torch.empty(d, dtype=theta.dtype)

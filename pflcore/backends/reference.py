@@ -30,6 +30,41 @@ def _client_rows(data, i: int) -> Tuple[int, int]:
     return int(data.offsets[i]), int(data.offsets[i + 1])
 
 
+# ---- the Gaussian mechanism (pflcore/ops/dp.py) ----------------------------------------------
+
+_DP_NOISE_STREAM = 0x64702D6E6F697365  # counter word 2 of the mechanism's draws ("dp-noise")
+
+
+def tree_sum(leaves: torch.Tensor) -> torch.Tensor:
+    """``[d]``: the rows of ``leaves [R, d]`` summed along the binary tree over their positions
+    (pairs (2i, 2i+1) at every level; a missing row adds an exact 0)."""
+    x = leaves
+    if x.shape[0] == 0:
+        return torch.zeros(leaves.shape[1], dtype=leaves.dtype, device=leaves.device)
+    while x.shape[0] > 1:
+        if x.shape[0] % 2:
+            x = torch.cat([x, torch.zeros_like(x[:1])])
+        x = x[0::2] + x[1::2]
+    return x[0]
+
+
+def philox_normals(n: int, seed: int, counter: int) -> torch.Tensor:
+    """``float64 [n]`` standard normals: Box–Muller on numpy's Philox4x64-10 (an implementation
+    independent of pflcore's C++), block b from counter (b + 1, counter, stream, 0), key (seed, 0)."""
+    import numpy as np
+    blocks = (n + 3) // 4
+    if blocks == 0:
+        return torch.zeros(0, dtype=torch.float64)
+    # numpy steps the counter before each block: starting from word 0 = 0 draws block 1 first
+    gen = np.random.Philox(key=np.array([seed, 0], dtype=np.uint64),
+                           counter=np.array([0, counter, _DP_NOISE_STREAM, 0], dtype=np.uint64))
+    raw = torch.from_numpy((gen.random_raw(4 * blocks).reshape(blocks, 4) >> np.uint64(11)).astype(np.int64))
+    u = raw.to(torch.float64) * 2.0 ** -53
+    radius = torch.sqrt(-2.0 * torch.log1p(-u[:, 0::2]))       # [blocks, 2]
+    angle = 6.283185307179586 * u[:, 1::2]
+    return torch.stack([radius * torch.cos(angle), radius * torch.sin(angle)], dim=2).reshape(-1)[:n]
+
+
 # ---- GLM math (DESIGN.md §3) ------------------------------------------------------------------
 
 def logits(model: GLM, W: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
@@ -333,6 +368,22 @@ class ReferenceAdapter(Adapter):
 
     def anderson_solve(self, G, reg: float):
         return anderson_solve(G, reg)
+
+    def clip_and_sum(self, updates, weights, clip_norm: float, noise_std: float, seed: int, counter: int):
+        _values.clip_and_sum_fault(updates, weights)
+        u = updates.to(torch.float64)
+        norms = torch.linalg.vector_norm(u, dim=1)
+        scale = torch.where(norms > clip_norm, clip_norm / norms, torch.ones_like(norms))
+        if weights is not None:
+            scale = weights.to(torch.float64) * scale
+        leaves = scale[:, None] * u + 0.0  # + 0.0: no -0.0 (csrc/cpu/dp.cpp)
+        total = tree_sum(leaves).cpu()
+        if noise_std > 0:
+            total = total + noise_std * self.dp_normals(u.shape[1], seed, counter)
+        return total, int((norms > clip_norm).sum())
+
+    def dp_normals(self, n: int, seed: int, counter: int):
+        return philox_normals(n, seed, counter)
 
     def average(self, theta, weights, rows):
         _values.average_fault(theta, weights, rows)

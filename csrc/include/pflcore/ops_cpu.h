@@ -109,6 +109,18 @@ template <typename T>
 void average(const T* theta /*[M, d]*/, int64_t M, const T* weights /*[M]*/, const int64_t* rows /*[R] or null*/,
              int64_t R, int64_t d, T* out /*[d]*/, Faults& faults);
 
+// The Gaussian mechanism on clipped rows (csrc/cpu/dp.cpp): out = Σ_r w_r·min(1, C/‖u_r‖)·u_r + σ·n
+// summed in float64 along the fixed binary tree over r (bitwise the same at any thread count and
+// for any split into aligned blocks), n_j ~ N(0, 1) from Philox4x64-10 keyed by (seed, counter).
+// `clipped` gets the number of rows with ‖u_r‖ > C. Checks the rows (finite norm) and the weights
+// (in [0, 1]); C > 0 and σ >= 0 are the caller's.
+template <typename T>
+void clip_and_sum(const T* updates /*[R, d]*/, int64_t R, int64_t d, const T* weights /*[R] or null (= 1)*/,
+                  double clip_norm, double noise_std, uint64_t seed, uint64_t counter, double* out /*[d]*/,
+                  int64_t* clipped /*[1]*/, Faults& faults);
+// The mechanism's standard normals n_0 .. n_{n-1} for (seed, counter) alone (tests, the ranks).
+void dp_normals(uint64_t seed, uint64_t counter, int64_t n, double* out /*[n]*/);
+
 // Minibatch SGD steps of the one-hidden-layer MLP p → H → C (ReLU, cross-entropy), float, in
 // place on theta [R, d] (rows [W1 (H×p), b1 (H), W2 (C×H), b2 (C)]): for s < steps,
 // θ_r ← θ_r − lr·(grad_scale[r]·∇_mean(θ_r; batches[r, s]) + l2·θ_r + prox·(θ_r − anchor_r)).
