@@ -280,7 +280,8 @@ def _privacy_columns(mechanism: Optional[Mechanism]) -> dict:
     """``epsilon`` spent so far and the current ``clip_norm`` (nothing without privacy)."""
     if mechanism is None:
         return {}
-    return {"epsilon": mechanism.epsilon(), "clip_norm": mechanism.clip_norm}
+    eps = mechanism.epsilon()  # inf without noise: recorded as None ("no guarantee"), not as a divergence
+    return {"epsilon": eps if math.isfinite(eps) else None, "clip_norm": mechanism.clip_norm}
 
 
 def _nonfinite_metrics(row: dict) -> List[str]:

@@ -78,6 +78,14 @@ def case(name: str):
     if name == "apfl":
         fed, model = _synthetic()
         return A.APFL(alpha=0.3, lr=0.1, local_steps=2, adaptive_alpha=True), fed, model, {"clients_per_round": 6}
+    if name in ("dp_fedavg", "dp_fedpi"):  # tests/test_dp.py: the private release, bitwise on 1 and 2 ranks
+        privacy = pflcore.Privacy(clip_norm=0.3, noise_multiplier=0.7, adaptive=True, count_noise=1.0)
+        if name == "dp_fedavg":
+            fed, model = _synthetic()
+            return A.FedAvg(lr=0.1, local_steps=3), fed, model, {"clients_per_round": 6, "privacy": privacy}
+        fed = data.least_squares(num_clients=9, samples_per_client=40, dim=5, seed=1)
+        model = models.LeastSquares(5, fit_intercept=False)
+        return A.FedPi(eta=0.5, prox_steps=5), fed, model, {"clients_per_round": 5, "privacy": privacy}
     raise ValueError(name)
 
 

@@ -208,7 +208,7 @@ class Mechanism:
         total = tree_combine(nodes, total_rows, d)
         if z > 0:
             total = total + (z * C) * dp_normals(d, self.seed, counter)
-        return total, comm.sum(int(clipped))
+        return total, clipped  # this rank's rows clipped (_adapt sums over the ranks)
 
     # ---- accounting --------------------------------------------------------------------------
 
