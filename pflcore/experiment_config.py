@@ -10,6 +10,8 @@ it; ``pflcore.experiments`` prefixes its errors with the table they came from.
 """
 from __future__ import annotations
 
+from dataclasses import fields as dataclass_fields
+
 import difflib
 import importlib
 import inspect
@@ -34,12 +36,12 @@ class ConfigError(ValueError):
 METRICS = ("acc", "personalized_acc", "personalized_acc_std", "personalized_acc_p10", "personalized_loss",
            "global_acc", "global_acc_std", "global_acc_p10", "global_loss", "train_loss", "stat_error_local",
            "stat_error_global", "optimality_gap", "residual", "seconds", "client_steps_per_s",
-           "bytes_sent_per_round")
+           "bytes_sent_per_round", "epsilon", "clip_norm")
 
 MODEL_FAMILIES = {"softmax": M.Softmax, "logistic": M.Logistic, "least_squares": M.LeastSquares, "mlp": M.MLP,
                   "cnn": M.CNN}
 # Keys of an [algorithms.X] table that are not the algorithm's own parameters.
-ALGORITHM_EXTRAS = ("type", "model", "anderson", "anderson_reg")
+ALGORITHM_EXTRAS = ("type", "model", "anderson", "anderson_reg", "private")
 # String values some numeric parameters accept (pflcore.experiments.build_algorithm).
 SPECIAL_STRINGS = {("fedprox", "lam"): ("adaptive",), ("fedprox", "local_lr"): ("auto",)}
 
@@ -116,6 +118,8 @@ TOP: Dict[str, tuple] = {  # key: (check, description)
     "model": (lambda v: isinstance(v, dict), "a table"),
     "algorithms": (lambda v: isinstance(v, dict) and len(v) > 0, "a table of one table per algorithm"),
     "sweep": (lambda v: isinstance(v, dict), "a table"),
+    "privacy": (lambda v: isinstance(v, dict), "a table (pflcore.Privacy's settings: clip_norm, noise_multiplier or "
+                                               "epsilon, delta, sampling, accountant, adaptive ...)"),
 }
 SWEEP: Dict[str, tuple] = {
     "key": (lambda v: isinstance(v, str) and v != "", "a dotted key (e.g. \"data.R\")"),
@@ -123,7 +127,7 @@ SWEEP: Dict[str, tuple] = {
     "metric": (lambda v: isinstance(v, str), "a metric name"),
     "log_y": (lambda v: isinstance(v, bool), "true or false"),
 }
-TABLES = ("data", "model", "algorithms", "sweep")  # top-level keys that hold tables
+TABLES = ("data", "model", "algorithms", "sweep", "privacy")  # top-level keys that hold tables
 
 
 def _annotation_check(annotation: Any) -> Optional[tuple]:
@@ -348,6 +352,12 @@ def check(cfg: Dict[str, Any], generators: Dict[str, Callable]) -> None:
         check_model(cfg["model"], "model")
     for label, spec in cfg["algorithms"].items():
         check_algorithm(label, spec)
+    if "privacy" in cfg:
+        privacy_settings(cfg["privacy"])
+    for label, spec in cfg["algorithms"].items():
+        if "private" in spec and not isinstance(spec["private"], bool):
+            _expect(False, f"algorithms.{label}.private", "true or false (false: this algorithm runs without the "
+                    "[privacy] setting)", spec["private"])
     sweep = cfg.get("sweep")
     if sweep is not None:
         for key, value in sweep.items():
@@ -361,6 +371,19 @@ def check(cfg: Dict[str, Any], generators: Dict[str, Callable]) -> None:
         if "metric" in sweep and sweep["metric"] not in METRICS:
             raise ConfigError(f"sweep.metric: unknown metric {sweep['metric']!r}{suggest(sweep['metric'], METRICS)}",
                               key="sweep.metric")
+
+
+def privacy_settings(table: Dict[str, Any]):
+    """``pflcore.Privacy`` from an experiment's [privacy] table (ConfigError naming the key)."""
+    from pflcore.privacy import Privacy
+    known = [f.name for f in dataclass_fields(Privacy)]
+    for key in table:
+        if key not in known:
+            raise unknown_key("privacy", key, known)
+    try:
+        return Privacy(**table)
+    except ValueError as exc:
+        raise ConfigError(str(exc), key="privacy") from None
 
 
 def set_key(cfg: Dict[str, Any], key: str, value: Any, *, strict: bool = True) -> None:

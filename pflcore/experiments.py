@@ -181,6 +181,7 @@ def build_algorithm(label: str, spec: Dict[str, Any], fed, model):
     kind = C.algorithm_kind(label, spec)
     cls = C.algorithm_class(label, spec)  # built-in, entry point or "package.module:Class"
     spec.pop("type", None)
+    spec.pop("private", None)  # run_experiment's: whether [privacy] applies to this algorithm
     try:
         if kind == "fedprox" and spec.get("lam") == "adaptive":
             # λ from the heterogeneity R of the data and the training samples per client.
@@ -314,7 +315,8 @@ def run_experiment(cfg: Dict[str, Any], *, only: Optional[List[str]] = None, pro
     for _, _, point_cfg in points[1:]:
         check(point_cfg)
     seeds = cfg.get("seeds", [0])
-    metrics = cfg.get("metrics", ["personalized_acc", "global_acc", "stat_error_local", "stat_error_global"])
+    metrics = cfg.get("metrics", ["personalized_acc", "global_acc", "stat_error_local", "stat_error_global"]
+                      + (["epsilon"] if "privacy" in cfg else []))
     feds = _prepare(points, algos, seeds)
     if writer:
         os.makedirs(out, exist_ok=True)
@@ -335,9 +337,11 @@ def run_experiment(cfg: Dict[str, Any], *, only: Optional[List[str]] = None, pro
                     facts = _facts(fed, model)
                 tag = label if key is None else f"{label} ({key}={value})"
                 try:
+                    privacy = C.privacy_settings(point_cfg["privacy"]) \
+                        if "privacy" in point_cfg and spec.get("private", True) else None
                     res = run(alg, fed, model, rounds=point_cfg["rounds"],
                               clients_per_round=point_cfg.get("clients_per_round"), seed=seed,
-                              eval_every=point_cfg.get("eval_every", 1), progress=progress)
+                              eval_every=point_cfg.get("eval_every", 1), progress=progress, privacy=privacy)
                 except DivergenceError as exc:
                     if not exc.all_ranks:
                         raise  # one rank alone stopped inside a round: its peers cannot go on with it

@@ -83,6 +83,14 @@ class TreeSum {
     for (uint64_t n = ++count_; (n & 1) == 0; n >>= 1) merge_top();
   }
 
+  // The slot just written holds the node of the next 4 rows (the caller's `next()`, rows
+  // 4k .. 4k+3 summed as ((r0 + r1) + (r2 + r3))): every node pushed so far spans 4 or more.
+  void pushed4() {
+    ++top_;
+    count_ += 4;
+    for (uint64_t n = count_ >> 2; (n & 1) == 0; n >>= 1) merge_top();
+  }
+
   // The node of every row pushed (zeros when none was).
   const double* finish() {
     if (top_ == 0) {
@@ -131,8 +139,9 @@ void clip_and_sum(const T* updates, int64_t R, int64_t d, const T* weights, doub
 #pragma omp for schedule(dynamic, 1)
     for (int64_t c = 0; c < chunks; ++c) {
       TreeSum local(d, chunk_depth);
-      const int64_t r1 = std::min(R, (c + 1) * chunk);
-      for (int64_t r = c * chunk; r < r1; ++r) {
+      const int64_t r0 = c * chunk, r1 = std::min(R, (c + 1) * chunk);
+      // The scale of row r (0 for a faulty row: the call's result is discarded then).
+      const auto scale_of = [&](int64_t r) {
         const T* __restrict__ u = updates + r * d;
         double sq = 0.0;
 #pragma omp simd reduction(+ : sq)
@@ -142,16 +151,38 @@ void clip_and_sum(const T* updates, int64_t R, int64_t d, const T* weights, doub
         if (!std::isfinite(norm)) {
           faults.add(r, FaultKind::NonFinite, "updates: row %lld holds a NaN or infinite value (or its norm "
                      "overflows)", ll(r));
-          continue;
+          return 0.0;
         }
         if (!(std::isfinite(w) && w >= 0.0 && w <= 1.0)) {
           faults.add(r, std::isfinite(w) ? FaultKind::Value : FaultKind::NonFinite,
                      "weights: expected weights in [0, 1] (a client's contribution is bounded by clip_norm), "
                      "got weights[%lld] = %g", ll(r), w);
-          continue;
+          return 0.0;
         }
         if (norm > clip_norm) ++n_clipped;
-        const double scale = w * (norm > clip_norm ? clip_norm / norm : 1.0);
+        return w * (norm > clip_norm ? clip_norm / norm : 1.0);
+      };
+      int64_t r = r0;
+      // Four rows at a time: their level-2 node in one pass (the rows are in L1 from their norms),
+      // the same additions as four leaves pushed one by one.
+      for (; r + 4 <= r1; r += 4) {
+        const double s0 = scale_of(r), s1 = scale_of(r + 1), s2 = scale_of(r + 2), s3 = scale_of(r + 3);
+        const T* __restrict__ u0 = updates + r * d;
+        const T* __restrict__ u1 = u0 + d;
+        const T* __restrict__ u2 = u1 + d;
+        const T* __restrict__ u3 = u2 + d;
+        double* __restrict__ node4 = local.next();
+#pragma omp simd
+        for (int64_t j = 0; j < d; ++j) {
+          const double a = (s0 * double(u0[j]) + 0.0) + (s1 * double(u1[j]) + 0.0);
+          const double b = (s2 * double(u2[j]) + 0.0) + (s3 * double(u3[j]) + 0.0);
+          node4[j] = a + b;
+        }
+        local.pushed4();
+      }
+      for (; r < r1; ++r) {  // the last chunk's last rows, leaf by leaf
+        const double scale = scale_of(r);
+        const T* __restrict__ u = updates + r * d;
         double* __restrict__ leaf = local.next();
 #pragma omp simd
         for (int64_t j = 0; j < d; ++j) leaf[j] = scale * double(u[j]) + 0.0;
