@@ -324,3 +324,23 @@ def test_a_private_run_is_bitwise_the_same_on_one_and_two_ranks(tmp_path):
             assert torch.equal(r[name]["global"], one.global_model), name
             assert [h["epsilon"] for h in r[name]["history"]] == [h["epsilon"] for h in one.history]
             assert [h["clip_norm"] for h in r[name]["history"]] == [h["clip_norm"] for h in one.history]
+
+
+def test_experiment_files_take_a_privacy_table(tmp_path):
+    from pflcore import experiments
+    from pflcore.experiment_config import ConfigError
+    cfg = {"rounds": 2, "clients_per_round": 10, "eval_every": 1, "seeds": [0],
+           "data": {"generator": "synthetic", "alpha": 0.5, "beta": 0.5, "num_clients": 30, "dim": 6,
+                    "num_classes": 3, "size_scale": 1},
+           "model": {"family": "softmax"}, "privacy": {"clip_norm": 0.5, "noise_multiplier": 1.0},
+           "algorithms": {"DP": {"type": "fedavg", "lr": 0.1, "local_steps": 2},
+                          "plain": {"type": "fedavg", "lr": 0.1, "local_steps": 2, "private": False}}}
+    summary = experiments.run_experiment(cfg, progress=False, out=str(tmp_path), log=lambda *a: None)
+    rows = {r["algorithm"]: r for r in summary["rows"]}
+    assert rows["DP"]["epsilon"] > 0 and rows["plain"].get("epsilon") is None
+    with pytest.raises(ConfigError, match="privacy"):
+        experiments.run_experiment({**cfg, "privacy": {"clip_norm": 0.5, "noise_multiplier": 1.0, "epsilom": 2}},
+                                   progress=False, out=str(tmp_path), log=lambda *a: None)
+    with pytest.raises(ConfigError, match="privacy.noise_multiplier"):
+        experiments.run_experiment({**cfg, "privacy": {"noise_multiplier": -1.0}}, progress=False,
+                                   out=str(tmp_path), log=lambda *a: None)
