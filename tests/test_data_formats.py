@@ -8,7 +8,9 @@ from __future__ import annotations
 import io
 import json
 import os
+import pickle
 import random
+import struct
 import tracemalloc
 
 import numpy as np
@@ -16,7 +18,7 @@ import pytest
 import torch
 
 from pflcore import data
-from pflcore.data import json_stream, leaf_json
+from pflcore.data import json_stream, leaf_json, safe_pickle
 
 
 def _assert_same(a, b):
@@ -347,3 +349,131 @@ def test_leaf_reads_a_user_at_a_time(tmp_path):
     assert load_peak > 1.8 * train_size  # what streaming saves
     print(f"peak: leaf {leaf_peak / size:.2f} x the files, json.load {load_peak / train_size:.2f} x its file")
     assert leaf_peak < 0.9 * size, (leaf_peak, size)
+
+
+# ----------------------------------------------------------------------------- CIFAR-10 pickles
+
+def _py2_pickle(images: np.ndarray, labels, batch_label: bytes) -> bytes:
+    """A CIFAR-10 batch as the original files hold it: cPickle protocol 2 of Python 2, a dict of
+    Python 2 strings (SHORT_BINSTRING/BINSTRING) whose b'data' is a numpy array pickled through
+    numpy.core.multiarray._reconstruct, numpy.ndarray and numpy.dtype('u1')."""
+    def s(b: bytes) -> bytes:
+        return b"U" + bytes([len(b)]) + b if len(b) < 256 else b"T" + struct.pack("<i", len(b)) + b
+
+    def i(v: int) -> bytes:
+        if v < 256:
+            return b"K" + bytes([v])
+        return b"M" + struct.pack("<H", v) if v < 65536 else b"J" + struct.pack("<i", v)
+
+    n = images.shape[0]
+    return b"".join([
+        b"\x80\x02}q\x01(", s(b"data"), b"q\x02cnumpy.core.multiarray\n_reconstruct\nq\x03cnumpy\nndarray\nq\x04",
+        i(0), b"\x85", s(b"b"), b"\x87Rq\x05(", i(1), i(n), i(3072), b"\x86cnumpy\ndtype\nq\x06", s(b"u1"), i(0), i(1),
+        b"\x87Rq\x07(", i(3), s(b"|"), b"NNNJ\xff\xff\xff\xffJ\xff\xff\xff\xff", i(0), b"tb\x89", s(images.tobytes()),
+        b"tb", s(b"labels"), b"](", *[i(int(v)) for v in labels], b"e", s(b"batch_label"), s(batch_label),
+        s(b"filenames"), b"](", *[s(f"img_{k}.png".encode()) for k in range(n)], b"eu."])
+
+
+def _cifar_folder(root, per_batch=12, seed=0):
+    rng = np.random.default_rng(seed)
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir()
+    images, labels = [], []
+    for k, name in enumerate([f"data_batch_{b}" for b in range(1, 6)] + ["test_batch"]):
+        x = rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8)
+        y = (np.arange(per_batch) + k) % 10
+        (folder / name).write_bytes(_py2_pickle(x, y, f"batch {k}".encode()))
+        images.append(x)
+        labels.append(y)
+    return folder, np.concatenate(images), np.concatenate(labels)
+
+
+def test_the_python2_batch_writer_matches_numpys_own_unpickling(tmp_path):
+    x = np.random.default_rng(1).integers(0, 256, (3, 3072), dtype=np.uint8)
+    raw = _py2_pickle(x, [1, 2, 3], b"b")
+    stock = pickle.loads(raw, encoding="latin1")  # how torchvision reads the files (numpy's own code)
+    assert np.array_equal(stock["data"], x) and stock["labels"] == [1, 2, 3]
+    (tmp_path / "b").write_bytes(raw)
+    mine = safe_pickle.load(tmp_path / "b")
+    assert np.array_equal(mine[b"data"], x) and mine[b"labels"] == [1, 2, 3] and mine[b"batch_label"] == b"b"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cifar10_reads_the_python_batches(tmp_path, dtype):
+    folder, images, labels = _cifar_folder(tmp_path)
+    x, y = data.read_cifar10(tmp_path)
+    assert np.array_equal(x, images) and np.array_equal(y, labels)
+    assert np.array_equal(data.read_cifar10(folder, files="test")[0], images[-12:])
+    fed = data.cifar10(tmp_path, num_clients=4, scheme="iid", seed=1, dtype=dtype)
+    assert fed.num_features == 3072 and fed.num_classes == 10 and fed.meta["image_shape"] == [3, 32, 32]
+    assert fed.train.x.dtype == dtype and fed.train.num_rows + fed.test.num_rows == 72
+    # Every row is one image / 255 (the same bits as float64 division rounded to the dtype).
+    scaled = torch.from_numpy(images.astype(np.float64) / 255.0).to(dtype)
+    rows = {r.numpy().tobytes() for r in scaled}
+    assert all(r.numpy().tobytes() in rows for r in torch.cat([fed.train.x, fed.test.x]))
+    same = data.cifar10(folder, num_clients=4, scheme="iid", seed=1, dtype=dtype)  # the batch folder itself
+    assert torch.equal(same.train.x, fed.train.x) and torch.equal(same.test.y, fed.test.y)
+    for scheme, kw in (("classes", dict(classes_per_client=2)), ("dirichlet", dict(alpha=1.0)), ("shards", {})):
+        part = data.cifar10(tmp_path, num_clients=5, scheme=scheme, files="train", **kw)
+        assert part.num_clients == 5 and part.train.num_rows + part.test.num_rows == 60
+
+
+def test_float32_division_of_pixels_equals_float64_division_rounded():
+    pixels = np.arange(256, dtype=np.uint8)
+    assert np.array_equal(np.divide(pixels, np.float32(255), dtype=np.float32),
+                          (pixels / 255.0).astype(np.float32))
+
+
+@pytest.mark.parametrize("protocol", [2, 4, 5])
+def test_cifar10_reads_batches_pickled_by_python3(tmp_path, protocol):
+    rng = np.random.default_rng(protocol)
+    x = rng.integers(0, 256, (5, 3072), dtype=np.uint8)
+    batch = {b"data": x, "labels": np.arange(5, dtype=np.int64), b"batch_label": b"re-pickled"}
+    (tmp_path / "test_batch").write_bytes(pickle.dumps(batch, protocol=protocol))
+    got_x, got_y = data.read_cifar10(tmp_path, files="test")
+    assert np.array_equal(got_x, x) and got_y.tolist() == [0, 1, 2, 3, 4]
+
+
+class _Payload:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.path}",)
+
+
+def test_cifar10_unpickling_runs_no_code(tmp_path):
+    marker = tmp_path / "owned"
+    (tmp_path / "test_batch").write_bytes(pickle.dumps({b"data": _Payload(marker), b"labels": [0]}, protocol=2))
+    refused = r"test_batch: not a readable data pickle .*refused to load (posix|nt)\.system"
+    with pytest.raises(ValueError, match=refused):
+        data.read_cifar10(tmp_path, files="test")
+    assert not marker.exists()
+    assert os.system is not None  # (the payload is real: pickle.loads would have run it)
+    (tmp_path / "test_batch").write_bytes(pickle.dumps({b"data": np.array([object()] * 3072).reshape(1, 3072),
+                                                        b"labels": [0]}))
+    with pytest.raises(ValueError, match=r"dtype 'O8' refused"):
+        data.read_cifar10(tmp_path, files="test")
+    (tmp_path / "test_batch").write_bytes(pickle.dumps({b"data": np.zeros((1, 3072), np.uint8), b"labels": [0]})[:-40])
+    with pytest.raises(ValueError, match=r"test_batch: not a readable data pickle"):
+        data.read_cifar10(tmp_path, files="test")
+
+
+def test_cifar10_reports_missing_and_wrong_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"root: no CIFAR-10 batch .*cifar-10-python\.tar\.gz"):
+        data.cifar10(tmp_path)
+    folder, _, _ = _cifar_folder(tmp_path)
+    (folder / "data_batch_3").unlink()
+    with pytest.raises(FileNotFoundError, match=r"lacks the CIFAR-10 batch 'data_batch_3'"):
+        data.cifar10(tmp_path)
+    assert data.read_cifar10(tmp_path, files="test")[0].shape == (12, 3072)
+    bad = {"wrong shape": ({b"data": np.zeros((2, 1024), np.uint8), b"labels": [0, 1]}, r"data: expected uint8"),
+           "label 10": ({b"data": np.zeros((2, 3072), np.uint8), b"labels": [0, 10]}, r"expected classes 0\.\.9"),
+           "cifar-100": ({b"data": np.zeros((1, 3072), np.uint8), b"fine_labels": [3]}, r"CIFAR-100"),
+           "count": ({b"data": np.zeros((2, 3072), np.uint8), b"labels": [1]}, r"expected 2 integer labels")}
+    for batch, match in bad.values():
+        (folder / "test_batch").write_bytes(pickle.dumps(batch))
+        with pytest.raises(ValueError, match=match):
+            data.read_cifar10(tmp_path, files="test")
+    with pytest.raises(ValueError, match="files: expected 'all', 'train' or 'test'"):
+        data.read_cifar10(tmp_path, files="val")
