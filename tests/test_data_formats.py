@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from pflcore import data
+from pflcore import data, experiments
 from pflcore.data import json_stream, leaf_json, safe_pickle
+from pflcore.experiment_config import ConfigError
 
 
 def _assert_same(a, b):
@@ -477,3 +478,33 @@ def test_cifar10_reports_missing_and_wrong_files(tmp_path):
             data.read_cifar10(tmp_path, files="test")
     with pytest.raises(ValueError, match="files: expected 'all', 'train' or 'test'"):
         data.read_cifar10(tmp_path, files="val")
+
+
+# ----------------------------------------------------------------------------- experiment files
+
+def test_experiments_name_leaf_and_cifar10_with_a_root(tmp_path):
+    _pfedme_synthetic(tmp_path, num_users=5)
+    cfg = {"rounds": 1, "data": {"generator": "leaf", "root": str(tmp_path / "Synthetic")},
+           "algorithms": {"LocalTrain": {"lr": 0.1, "steps": 2}}}
+    experiments.check(cfg)
+    fed = experiments.build_federation(cfg["data"], seed=3)  # no seed passed to leaf
+    assert fed.num_clients == 5 and fed.meta["generator"] == "leaf"
+    with pytest.raises(ConfigError, match=r"data\.root: missing; the leaf generator needs root"):
+        experiments.check(dict(cfg, data={"generator": "leaf"}))
+    with pytest.raises(ConfigError, match=r"unknown key 'data\.seed'"):
+        experiments.check(dict(cfg, data=dict(cfg["data"], seed=1)))
+    with pytest.raises(ConfigError, match=r"data\.drop_incomplete: expected true or false"):
+        experiments.check(dict(cfg, data=dict(cfg["data"], drop_incomplete=1)))
+    with pytest.raises(ConfigError, match=r"^data: root: no folder"):
+        experiments.build_federation({"generator": "leaf", "root": str(tmp_path / "none")}, 0)
+
+    _cifar_folder(tmp_path)
+    spec = {"generator": "cifar10", "root": str(tmp_path), "num_clients": 3, "scheme": "iid"}
+    experiments.check(dict(cfg, data=spec, model={"family": "cnn", "channels": [2], "hidden": [4]}))
+    fed = experiments.build_federation(spec, seed=2)
+    assert fed.meta["seed"] == 2
+    model = experiments.build_model({"family": "cnn", "channels": [2], "hidden": [4]}, fed)
+    assert model.image_shape == (3, 32, 32)
+    with pytest.raises(ConfigError, match=r"data\.root: missing; the cifar10 generator needs root"):
+        experiments.check(dict(cfg, data={"generator": "cifar10"}))
+
