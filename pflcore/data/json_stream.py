@@ -6,8 +6,8 @@ window of the text (``chunk`` characters, grown while one value does not fit) an
 value at a time with the standard library's C decoder (``json.JSONDecoder.raw_decode``), so the
 peak is about the largest single value, not the document.
 
-The caller walks the structure: ``members`` for the objects it descends into, ``value`` for
-everything it wants whole. Malformed or truncated text raises ValueError
+The caller walks the structure: ``members`` and ``elements`` for the objects and arrays it
+descends into, ``value`` for everything it wants whole. Malformed or truncated text raises ValueError
 naming the file with the line and character offset.
 """
 from __future__ import annotations
@@ -115,6 +115,20 @@ class JsonStream:
             self.expect(":", "':' after a key")
             yield key
             if self.expect(",}", "',' or '}' after a member") == "}":
+                return
+
+    def elements(self):
+        """Iterates over the array that starts here, yielding before each element; the caller
+        consumes the element (``value()`` …) before asking for the next. Decoding a large array
+        element by element keeps each decoded value small, so a value that runs past the
+        window is decoded again only up to one element."""
+        self.expect("[", "'[' (an array)")
+        if self.peek() == "]":
+            self._pos += 1
+            return
+        while True:
+            yield
+            if self.expect(",]", "',' or ']' after an element") == "]":
                 return
 
     def end(self) -> None:

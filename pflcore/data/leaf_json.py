@@ -208,6 +208,28 @@ def _labels(y, n: int, where: str, text: bool) -> np.ndarray:
     return labels
 
 
+def _read_record(stream: JsonStream, where: str):
+    """A user's ``{"x": [...], "y": [...]}``, its lists decoded element by element (a FEMNIST
+    user is megabytes: decoded whole it would be decoded again each time it outgrew the reading
+    window); and whether their text holds a literal true or false."""
+    if stream.peek() != "{":
+        got = stream.value()
+        raise ValueError(f"{where}: expected an object with 'x' and 'y', got {type(got).__name__}")
+    record: Dict[str, Any] = {}
+    literals = False
+    for key in stream.members():
+        if key in ("x", "y") and stream.peek() == "[":
+            items = record[key] = []
+            for _ in stream.elements():
+                items.append(stream.value())
+                literals = literals or stream.last_value_has("true") or stream.last_value_has("false")
+        else:
+            record[key] = stream.value()  # Shakespeare's "raw" text and anything else: not ours
+    if "x" not in record or "y" not in record:
+        raise ValueError(f"{where}: expected an object with 'x' and 'y', got keys {sorted(record)}")
+    return record, literals
+
+
 def _refuse_booleans(record: dict, where: str) -> None:
     """ValueError if x or y holds true or false (a Python loop: run only when the text has one)."""
     for key in ("x", "y"):
@@ -265,12 +287,8 @@ def _read_file(path: str, npd, layout: _Layout):
                         where = f"{path}: user {user!r}"
                         if user in records:
                             raise ValueError(f"{where}: appears twice in user_data")
-                        record = stream.value()
-                        if not isinstance(record, dict) or "x" not in record or "y" not in record:
-                            raise ValueError(f"{where}: expected an object with 'x' and 'y', got "
-                                             f"{type(record).__name__}" + (f" with keys {sorted(record)}"
-                                                                          if isinstance(record, dict) else ""))
-                        if stream.last_value_has("true") or stream.last_value_has("false"):
+                        record, literals = _read_record(stream, where)
+                        if literals:
                             _refuse_booleans(record, where)  # numpy would read them as 1 and 0
                         rows, image, text = _features(record["x"], where, npd)
                         labels = _labels(record["y"], len(record["x"]), where, text)
