@@ -319,6 +319,10 @@ def test_json_stream_decodes_values_cut_at_every_place():
                 got[key] = {}
                 for inner in stream.members():
                     got[key][inner] = stream.value()
+            elif key == "a":
+                got[key] = []
+                for _ in stream.elements():
+                    got[key].append(stream.value())
             else:
                 got[key] = stream.value()
         stream.end()
