@@ -462,6 +462,9 @@ def test_cifar10_unpickling_runs_no_code(tmp_path):
     (tmp_path / "test_batch").write_bytes(pickle.dumps({b"data": np.zeros((1, 3072), np.uint8), b"labels": [0]})[:-40])
     with pytest.raises(ValueError, match=r"test_batch: not a readable data pickle"):
         data.read_cifar10(tmp_path, files="test")
+    (tmp_path / "test_batch").write_bytes(b"\x80\x02T\xff\xff\xff\x7fabc")  # claims a 2 GB string: no allocation
+    with pytest.raises(ValueError, match=r"test_batch: not a readable data pickle .*truncated"):
+        data.read_cifar10(tmp_path, files="test")
 
 
 def test_cifar10_reports_missing_and_wrong_files(tmp_path):

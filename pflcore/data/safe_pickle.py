@@ -12,6 +12,7 @@ arrays, and nothing it holds is called.
 """
 from __future__ import annotations
 
+import io
 import math
 import os
 import pickle
@@ -70,7 +71,9 @@ def _array(raw, dtype, shape, order: str) -> np.ndarray:
     shape = _shape(shape)
     if isinstance(raw, str):  # a Python 2 str read with encoding="latin1"
         raw = raw.encode("latin1")
-    if not isinstance(raw, (bytes, bytearray)):
+    if isinstance(raw, bytearray):  # protocol 5's in-band buffer: the array gets bytes of its own
+        raw = bytes(raw)
+    if not isinstance(raw, bytes):
         raise pickle.UnpicklingError(f"array data: expected raw bytes, got {type(raw).__name__}")
     want = math.prod(shape) * dtype.dtype.itemsize
     if len(raw) != want:
@@ -153,9 +156,10 @@ def load(path, *, encoding: str = "bytes") -> Any:
     A file that names any other global, or is not a pickle, raises ValueError naming it."""
     path = os.fspath(path)
     with open(path, "rb") as fh:
-        try:
-            return _resolve(SafeUnpickler(fh, encoding=encoding).load())
-        except MemoryError:
-            raise
-        except Exception as exc:  # UnpicklingError, EOFError, and the errors of malformed opcodes
-            raise ValueError(f"{path}: not a readable data pickle ({type(exc).__name__}: {exc})") from None
+        # Read whole first: a corrupt length field then finds the data short ("truncated")
+        # instead of making the unpickler allocate the gigabytes it claims.
+        raw = io.BytesIO(fh.read())
+    try:
+        return _resolve(SafeUnpickler(raw, encoding=encoding).load())
+    except Exception as exc:  # UnpicklingError, EOFError, and the errors of malformed opcodes
+        raise ValueError(f"{path}: not a readable data pickle ({type(exc).__name__}: {exc})") from None
