@@ -282,7 +282,7 @@ def test_leaf_reports_malformed_files_and_missing_folders(tmp_path):
     path = tmp_path / "train" / "d.json"
     good = path.read_text()
     path.write_text(good[:-30])  # truncated, as by an interrupted download
-    with pytest.raises(ValueError, match=r"train/d\.json: not valid JSON: .* at line 1, character"):
+    with pytest.raises(ValueError, match=r"train/d\.json: not valid JSON: .* at line 1, char"):
         data.leaf(tmp_path)
     path.write_text(good.replace("]]", "]\n]", 1).replace(",", ",,", 3))
     with pytest.raises(ValueError, match=r"train/d\.json: not valid JSON"):
@@ -307,11 +307,12 @@ def test_leaf_reports_malformed_files_and_missing_folders(tmp_path):
         data.leaf(tmp_path, dtype=torch.int32)
 
 
-def test_json_stream_decodes_values_cut_at_every_place():
-    doc = {"a": [1, -2.5e-3, 12345678901234567890, "x\"}{,:\\u00e9 \\n"], "b": {"c": {"d": [[], {}]}, "e": None},
-           "f": "é€𝄞", "g": 1e308, "h": True}
-    text = json.dumps(doc, indent=1, ensure_ascii=False)
-    for chunk in (1, 2, 3, 7, 64):
+@pytest.mark.parametrize("ascii_only", [False, True])
+def test_json_stream_decodes_values_cut_at_every_place(ascii_only):
+    doc = {"a": [1, -2.5e-3, 12345678901234567890, "x\"}{,:\\u00e9 \\n", -0.0, float("-inf"), False, None],
+           "b": {"c": {"d": [[], {}]}, "e": None}, "f": "é€𝄞\t", "g": 1e308, "h": True}
+    text = json.dumps(doc, indent=1, ensure_ascii=ascii_only)
+    for chunk in (1, 2, 3, 5, 7, 64):
         stream = json_stream.JsonStream(io.StringIO(text), "doc.json", chunk)
         got = {}
         for key in stream.members():
@@ -327,6 +328,21 @@ def test_json_stream_decodes_values_cut_at_every_place():
                 got[key] = stream.value()
         stream.end()
         assert got == doc, chunk
+
+
+def test_json_stream_reports_an_error_without_reading_the_rest():
+    class Counting(io.StringIO):
+        def read(self, n=-1):
+            out = super().read(n)
+            self.chars = getattr(self, "chars", 0) + len(out)
+            return out
+
+    fh = Counting('{"a": [1, 2,, 3], "b": "' + "x" * 100_000 + '"}')
+    stream = json_stream.JsonStream(fh, "bad.json", 64)
+    with pytest.raises(ValueError, match=r"bad\.json: not valid JSON: Expecting value at line 1, char 12"):
+        for _ in stream.members():
+            stream.value()
+    assert fh.chars < 1000
 
 
 def test_leaf_reads_a_user_at_a_time(tmp_path):

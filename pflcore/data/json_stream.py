@@ -7,8 +7,8 @@ value at a time with the standard library's C decoder (``json.JSONDecoder.raw_de
 peak is about the largest single value, not the document.
 
 The caller walks the structure: ``members`` and ``elements`` for the objects and arrays it
-descends into, ``value`` for everything it wants whole. Malformed or truncated text raises ValueError
-naming the file with the line and character offset.
+descends into, ``value`` for everything it wants whole. Malformed or truncated text raises
+ValueError naming the file with the line and the character offset (from 0).
 """
 from __future__ import annotations
 
@@ -21,6 +21,9 @@ from typing import Any, Optional
 DEFAULT_CHUNK = 1 << 18
 _SPACE = re.compile(r"[ \t\n\r]*")  # JSON's whitespace (RFC 8259 §2)
 _NUMBER_TAIL = re.compile(r"[0-9eE+\-.]*\Z")  # the rest of the window could still extend a number
+# Where an error is reported when the text stops inside a token, at most this far from the end
+# of the text (literals are at most 9 characters, -Infinity; a number fails at its last one).
+_LONGEST_TOKEN = 32
 
 
 class JsonStream:
@@ -54,7 +57,7 @@ class JsonStream:
 
     def _where(self, pos: int) -> str:
         line = self._dropped_lines + self._buf.count("\n", 0, pos) + 1
-        return f"line {line}, character {self._dropped + pos}"
+        return f"line {line}, char {self._dropped + pos}"  # char from 0, as json's own errors
 
     def error(self, message: str, pos: Optional[int] = None) -> ValueError:
         return ValueError(f"{self.path}: not valid JSON: {message} at {self._where(self._pos if pos is None else pos)}")
@@ -84,7 +87,7 @@ class JsonStream:
             try:
                 obj, end = self._decoder.raw_decode(self._buf, self._pos)
             except json.JSONDecodeError as exc:
-                if self._more():
+                if self._may_run_on(exc) and self._more():
                     continue  # the value may run past the window: read on and decode it again
                 raise self.error(exc.msg, exc.pos) from None
             except RecursionError:
@@ -94,6 +97,13 @@ class JsonStream:
             self._span = (self._pos, end)
             self._pos = end
             return obj
+
+    def _may_run_on(self, exc: json.JSONDecodeError) -> bool:
+        """Whether a decoding error may only be the window's end: text that stops inside a
+        string is reported where the string starts, anything else (a number, a literal, an
+        escape, a missing delimiter) within a token's length of the end. An error earlier in the
+        window is the file's own, reported at once instead of after reading the rest."""
+        return exc.msg.startswith("Unterminated string") or exc.pos >= len(self._buf) - _LONGEST_TOKEN
 
     def last_value_has(self, word: str) -> bool:
         """Whether the text of the value ``value`` returned last holds ``word`` (a literal such
