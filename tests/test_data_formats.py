@@ -351,10 +351,10 @@ def test_leaf_reads_a_user_at_a_time(tmp_path):
     twice to three times the file."""
     rng = np.random.default_rng(4)
     for split, n in (("train", 24), ("test", 6)):
-        ud = {f"u{i}": {"x": rng.random((n, 50)).tolist(), "y": rng.integers(0, 10, n).tolist()} for i in range(70)}
+        ud = {f"u{i}": {"x": rng.random((n, 50)).tolist(), "y": rng.integers(0, 10, n).tolist()} for i in range(100)}
         _write_leaf(tmp_path / split / "big.json", list(ud), ud)
     size = sum(os.path.getsize(tmp_path / s / "big.json") for s in ("train", "test"))
-    assert size > 2e6
+    assert size > 2.5e6
     tracemalloc.start()
     try:
         fed = data.leaf(tmp_path)
@@ -365,7 +365,7 @@ def test_leaf_reads_a_user_at_a_time(tmp_path):
         _, load_peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert fed.train.num_rows == 1680 and len(whole["users"]) == 70
+    assert fed.train.num_rows == 2400 and len(whole["users"]) == 100
     train_size = os.path.getsize(tmp_path / "train" / "big.json")
     assert load_peak > 1.8 * train_size  # what streaming saves
     print(f"peak: leaf {leaf_peak / size:.2f} x the files, json.load {load_peak / train_size:.2f} x its file")
