@@ -196,6 +196,10 @@ def check_data(spec: Dict[str, Any], generators: Dict[str, Callable]) -> None:
                           f"{', '.join(sorted(generators))}", key="data.generator")
     params = parameters(generators[name])
     spec = {k: v for k, v in spec.items() if k != "generator"}
+    for key, p in params.items():  # no default: the readers' root, synthetic's alpha and beta
+        if p.default is inspect.Parameter.empty and key not in spec:
+            what = f'{key} = "<folder>" (the folder holding its files)' if key == "root" else f"{key} (no default)"
+            raise ConfigError(f"data.{key}: missing; the {name} generator needs {what}", key=f"data.{key}")
     if "dtype" in spec:
         _expect(spec["dtype"] in ("float32", "float64"), "data.dtype", "\"float32\" or \"float64\"", spec["dtype"])
         spec.pop("dtype")

@@ -54,8 +54,11 @@ DEFAULT: Dict[str, Any] = {
     },
 }
 
+# leaf and cifar10 read files: `root = "<folder>"` (relative to the working directory), which
+# experiment_config.check_data requires where the reader has no default.
 GENERATORS = {"synthetic": D.synthetic, "logistic_truth": D.logistic_truth, "least_squares": D.least_squares,
-              "two_groups": D.two_groups, "contexts": D.contexts, "mnist": D.mnist, "digits": D.digits}
+              "two_groups": D.two_groups, "contexts": D.contexts, "mnist": D.mnist, "digits": D.digits,
+              "leaf": D.leaf, "cifar10": D.cifar10}
 
 BASELINES = {"localtrain": "local", "fedavg": "global", "globaltrain": "global"}
 
@@ -138,7 +141,8 @@ def build_federation(spec: Dict[str, Any], seed: int):
     name = spec.pop("generator", None)
     if name not in GENERATORS:
         raise ConfigError(f"data.generator: expected one of {sorted(GENERATORS)}, got {name!r}", key="data.generator")
-    spec.setdefault("seed", seed)
+    if "seed" in C.parameters(GENERATORS[name]):  # leaf's files are the data: no seed to give
+        spec.setdefault("seed", seed)
     if isinstance(spec.get("dtype"), str):  # "float32" | "float64" in TOML
         if spec["dtype"] not in ("float32", "float64"):
             raise ConfigError(f"data.dtype: expected 'float32' or 'float64', got {spec['dtype']!r}", key="data.dtype")
@@ -147,7 +151,7 @@ def build_federation(spec: Dict[str, Any], seed: int):
         spec["sizes"] = tuple(spec["sizes"])
     try:
         return GENERATORS[name](**spec)
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, FileNotFoundError) as exc:  # FileNotFoundError: a reader's missing root
         raise _wrap("data", exc) from None
 
 
@@ -159,6 +163,8 @@ def build_model(spec: Dict[str, Any], fed, where: str = "model"):
         if family == "mlp":  # torch nets: [model] family = "mlp", hidden = [100], l2 = ...
             return M.MLP(p, spec.pop("hidden", 100), fed.num_classes, **spec)
         if family == "cnn":  # channels, kernel_size, padding, pool, hidden, image_shape, l2
+            if "image_shape" not in spec and fed.meta.get("image_shape"):  # cifar10's (3, 32, 32), leaf's
+                spec["image_shape"] = tuple(fed.meta["image_shape"])
             return M.CNN(p, fed.num_classes, **spec)
         if "fit_intercept" not in spec and "model" in fed.meta:  # follow the generator's truth layout
             spec["fit_intercept"] = "fit_intercept=False" not in fed.meta["model"]
