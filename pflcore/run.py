@@ -492,7 +492,8 @@ def run(algorithm: Algorithm, federation: Federation, model: GLM, *, rounds: int
     if privacy is not None:
         cohort = m if clients_per_round is None else min(clients_per_round, m)
         mechanism = Mechanism(privacy, population=m, cohort=cohort, releases=algorithm.dp_releases_per_round,
-                              rounds=rounds, seed=seed)
+                              rounds=rounds, seed=seed, client_weights=federation.weights,
+                              client_rows=federation.train.sizes)
         if _resume is not None and _resume.get("privacy") is not None:
             mechanism.load_state_dict(_resume["privacy"])
         config["privacy"] = {**privacy.as_dict(), "noise_multiplier_run": mechanism.noise_multiplier,

@@ -190,16 +190,32 @@ def _run(alg, privacy, rounds=4, **kw):
 
 
 def test_without_noise_or_clipping_the_release_is_the_plain_mean_of_the_updates():
-    """FedAvg under Privacy(z=0, C huge) with fixed cohorts: w ← w + mean_i(θ_i − w), the
-    unweighted mean of the cohort's local models (the weights are dropped under DP)."""
+    """FedAvg under Privacy(z=0, C huge, uniform weighting) with fixed cohorts: w ← w + mean_i(θ_i − w),
+    the unweighted mean of the cohort's local models."""
     fed, model = _fed(), models.Softmax(8, 3)
-    priv = Privacy(clip_norm=1e12, noise_multiplier=0.0, sampling="fixed", accountant="rdp")
+    priv = Privacy(clip_norm=1e12, noise_multiplier=0.0, sampling="fixed", accountant="rdp", weighting="uniform")
     res = pflcore.run(A.FedAvg(lr=0.1, local_steps=3), fed, model, rounds=1, clients_per_round=40,
                       progress=False, privacy=priv)
     theta = model.zeros(40)
     ops.local_steps(model, theta, fed.train, steps=3, lr=0.1)
     torch.testing.assert_close(res.global_model, theta.double().mean(0).float(), rtol=1e-6, atol=1e-7)
     assert res.history[-1]["epsilon"] is None  # no noise: no guarantee, not a number
+
+
+def test_capped_weights_are_dp_fedavgs():
+    """weighting="capped": Σ_i min(1, n_i/ŵ)(θ_i − w) / (q·Σ_k min(1, n_k/ŵ)); with a cap above every
+    client's rows and everyone sampled it is FedAvg's sample-weighted mean; with the median cap
+    the weights are min(1, n_i / median)."""
+    fed, model = _fed(), models.Softmax(8, 3)
+    theta = model.zeros(40)
+    ops.local_steps(model, theta, fed.train, steps=3, lr=0.1)
+    n = fed.train.sizes.double()
+    for cap, w in ((1e9, n / 1e9), (None, torch.clamp(n / n.median(), max=1.0))):
+        priv = Privacy(clip_norm=1e12, noise_multiplier=0.0, sampling="fixed", accountant="rdp", weight_cap=cap)
+        res = pflcore.run(A.FedAvg(lr=0.1, local_steps=3), fed, model, rounds=1, clients_per_round=40,
+                          progress=False, privacy=priv)
+        want = (w[:, None] * theta.double()).sum(0) / w.sum()
+        torch.testing.assert_close(res.global_model.double(), want, rtol=1e-5, atol=1e-6)
 
 
 def test_epsilon_equals_dp_accountings_direct_computation():
@@ -274,7 +290,9 @@ def test_algorithms_without_a_private_form_are_refused(alg):
                                       ({"noise_multiplier": 1.0, "epsilon": 2.0}, "exactly one"),
                                       ({"noise_multiplier": 1.0, "delta": 1.0}, "privacy.delta"),
                                       ({"noise_multiplier": 1.0, "sampling": "fixed"}, "privacy.accountant"),
-                                      ({"noise_multiplier": 1.0, "clip_norm": -1}, "privacy.clip_norm")])
+                                      ({"noise_multiplier": 1.0, "clip_norm": -1}, "privacy.clip_norm"),
+                                      ({"noise_multiplier": 1.0, "weighting": "sample"}, "privacy.weighting"),
+                                      ({"noise_multiplier": 1.0, "weight_cap": 0}, "privacy.weight_cap")])
 def test_bad_privacy_settings_are_named(kw, match):
     with pytest.raises(ValueError, match=match):
         Privacy(**kw)

@@ -203,9 +203,9 @@ class Context:
         in one process; sharded: one all-reduce of the float64 weighted sum and weight, so a
         rank with no rows takes part with zeros). ``center`` (``[d]``): what the server sent the
         clients whose rows these are; a run with privacy (pflcore.privacy) clips each row's
-        difference from it and releases the noised mean instead (the weights are then dropped)."""
+        difference from it and releases the noised mean instead (with capped weights)."""
         if self.privacy is not None and self.privacy.in_round:
-            return self.privacy.average(self, theta, center, rows)
+            return self.privacy.average(self, theta, center, rows, weights)
         if not self.sharded:
             return run_average(theta, weights, rows)
         if rows is not None:

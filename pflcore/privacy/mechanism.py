@@ -6,11 +6,12 @@ round, i.e. whatever the clients send to the server to be averaged. Each client'
 turned into its update ``v_i − c`` (``c`` is what the server sent, e.g. the global model), clipped
 to norm C, summed, noised (``ops.clip_and_sum``), and the server gets
 
-    c + (Σ_i clip_C(v_i − c) + N(0, (z·C)²)) / n̄,     n̄ = the expected cohort size (public),
+    c + (Σ_i w_i·clip_C(v_i − c) + N(0, (z·C)²)) / (q·W),
 
-the same for every algorithm (DP-FedAvg of McMahan et al. 2018 when the algorithm is FedAvg).
-Client weights are dropped under DP (every client counts once: sample counts are private and
-would raise the sensitivity). Personalized parts that never leave a client (pFedMe's θ_i, Ditto's
+the same for every algorithm (DP-FedAvg of McMahan et al. 2018 when the algorithm is FedAvg):
+w_i = min(1, n_i / ŵ) the capped sample weights (every contribution stays within C), q the
+sampling rate and W = Σ_k w_k over all clients (treated as public, as in that paper), or with
+``weighting="uniform"`` w_i = 1 and q·W the expected cohort size. Personalized parts that never leave a client (pFedMe's θ_i, Ditto's
 v_i, APFL's v_i, FedRep's heads, the splitting family's u_i) are not released and not noised.
 Evaluation metrics are simulation diagnostics, computed from unprivatized quantities.
 
@@ -57,7 +58,10 @@ class Privacy:
     accountant is then RDP under replace-one adjacency, much more conservative). ``accountant``:
     ``"pld"`` or ``"rdp"`` (Poisson only; fixed uses rdp). ``adaptive``: adaptive clipping toward
     the ``target_quantile`` of update norms with step ``clip_lr`` and count noise ``count_noise``
-    (σ_b, default n̄/20)."""
+    (σ_b, default n̄/20). ``weighting``: ``"capped"`` (DP-FedAvg's w_i = min(1, n_i / ``weight_cap``),
+    cap default the median client's training rows; the sum is divided by q·Σ_k w_k over all N
+    clients, treated as public as in McMahan et al.) or ``"uniform"`` (every client counts once,
+    divided by the expected cohort size)."""
 
     clip_norm: float = 1.0
     noise_multiplier: Optional[float] = None
@@ -69,6 +73,8 @@ class Privacy:
     target_quantile: float = 0.5
     clip_lr: float = 0.2
     count_noise: Optional[float] = None
+    weighting: str = "capped"
+    weight_cap: Optional[float] = None
 
     def __post_init__(self):
         _finite(self.clip_norm, "clip_norm")
@@ -94,6 +100,10 @@ class Privacy:
         _finite(self.clip_lr, "clip_lr")
         if self.count_noise is not None:
             _finite(self.count_noise, "count_noise")
+        if self.weighting not in ("capped", "uniform"):
+            raise ValueError(f"privacy.weighting: expected 'capped' or 'uniform', got {self.weighting!r}")
+        if self.weight_cap is not None:
+            _finite(self.weight_cap, "weight_cap")
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -103,10 +113,20 @@ class Mechanism:
     """The run's privacy mechanism: privatizes ``ctx.average`` inside rounds, adapts C, and keeps
     the accounting ledger (checkpointed with the run: ``state_dict``)."""
 
-    def __init__(self, privacy: Privacy, *, population: int, cohort: int, releases: int, rounds: int, seed: int):
+    def __init__(self, privacy: Privacy, *, population: int, cohort: int, releases: int, rounds: int, seed: int,
+                 client_weights: Optional[torch.Tensor] = None, client_rows: Optional[torch.Tensor] = None):
         self.privacy = privacy
         self.population, self.cohort = population, cohort
         self.expected_cohort = float(cohort)  # fixed: k; Poisson: q·N = k as well
+        # capped weighting: the cap in the units of ctx.weights (∝ client rows), and the
+        # denominator q·Σ_k min(1, p_k / cap) over the whole population
+        self.weight_cap, self.denominator = None, self.expected_cohort
+        if privacy.weighting == "capped" and client_weights is not None:
+            p = client_weights.to(torch.float64).cpu()  # ctx.weights: ∝ the clients' training rows
+            n = p if client_rows is None else client_rows.to(torch.float64).cpu()
+            cap_rows = float(n.median()) if privacy.weight_cap is None else privacy.weight_cap
+            self.weight_cap = cap_rows * float(p.sum()) / float(n.sum())
+            self.denominator = cohort / population * float(torch.clamp(p / self.weight_cap, max=1.0).sum())
         self.releases = max(1, releases)
         self.seed = (seed * 0x9E3779B97F4A7C15 + 0x5DEECE66D) & _M64
         self.count_noise = privacy.count_noise if privacy.count_noise is not None else self.expected_cohort / 20.0
@@ -161,7 +181,8 @@ class Mechanism:
 
     # ---- the release -------------------------------------------------------------------------
 
-    def average(self, ctx, vectors: torch.Tensor, center: Optional[torch.Tensor], rows) -> torch.Tensor:
+    def average(self, ctx, vectors: torch.Tensor, center: Optional[torch.Tensor], rows,
+                weights: Optional[torch.Tensor] = None) -> torch.Tensor:
         t = self._round
         if rows is not None:
             raise ValueError("privacy: an average over a subset of the cohort (rows=...) would release the "
@@ -177,20 +198,24 @@ class Mechanism:
                 self._warned_center = True
             center = torch.zeros(d, dtype=vectors.dtype, device=vectors.device)
         updates = (vectors - center[None, :]).contiguous()
+        capped = None
+        if self.weight_cap is not None and weights is not None:
+            capped = torch.clamp(weights.to(torch.float64) / self.weight_cap, max=1.0).to(updates.dtype).contiguous()
         counter = (t << 16) | self._released
         C, z = self.clip_norm, self.update_noise if self.noise_multiplier > 0 else 0.0
         if not ctx.sharded:
-            total, clipped = run_clip_and_sum(updates, None, C, z, self.seed, counter)
+            total, clipped = run_clip_and_sum(updates, capped, C, z, self.seed, counter)
         else:
-            total, clipped = self._sharded_sum(ctx, updates, C, z, counter)
+            total, clipped = self._sharded_sum(ctx, updates, capped, C, z, counter)
         if self._released == 0:
             R = updates.shape[0]
             self._unclipped = ((R - clipped) - 0.5 * R, R)
         self._released += 1
-        out = center.to(torch.float64).cpu() + total / self.expected_cohort
+        out = center.to(torch.float64).cpu() + total / (self.expected_cohort if capped is None else self.denominator)
         return out.to(device=vectors.device, dtype=vectors.dtype)
 
-    def _sharded_sum(self, ctx, updates: torch.Tensor, C: float, z: float, counter: int):
+    def _sharded_sum(self, ctx, updates: torch.Tensor, weights: Optional[torch.Tensor], C: float, z: float,
+                     counter: int):
         comm = ctx.comm
         counts = [int(c[0]) for c in comm.all_gather(torch.tensor([updates.shape[0]], dtype=torch.int64))]
         start = sum(counts[: comm.rank])
@@ -199,7 +224,8 @@ class Mechanism:
         rows, clipped = [], 0
         for first, k in tree_blocks(start, start + updates.shape[0]):
             lo = first - start
-            node, c = run_clip_and_sum(updates[lo: lo + (1 << k)], None, C, 0.0, 0, 0)
+            node, c = run_clip_and_sum(updates[lo: lo + (1 << k)],
+                                       None if weights is None else weights[lo: lo + (1 << k)], C, 0.0, 0, 0)
             clipped += c
             rows.append(torch.cat([torch.tensor([float(first), float(k)], dtype=torch.float64), node]))
         mine = torch.stack(rows) if rows else torch.empty(0, d + 2, dtype=torch.float64)
