@@ -3,11 +3,10 @@
 //
 // Why a tree: the sum must be bitwise the same at any thread count AND however a sharded run splits
 // the rows over ranks. Rows are summed along the fixed binary tree over their positions 0..R-1
-// (node [a, a+2^k) = its left half + its right half, missing rows adding nothing). Any aligned
-// block of 2^k rows is a node, so threads (chunks of 2^k rows) and ranks (pflcore/ops/dp.py
-// cuts a rank's rows into aligned blocks) compute nodes of the same tree and combine them alike.
-// Each leaf is canonicalised with `+ 0.0` (no -0.0 anywhere), which makes adding a missing row's
-// 0 exact, so a partial tree is the full tree's value. This file is compiled with
+// (node [a, a+2^k) = its left half + its right half; a node with no right half is its left
+// half, nothing is added). Any aligned block of 2^k rows is a node, so threads (chunks of 2^k
+// rows) and ranks (pflcore/ops/dp.py cuts a rank's rows into aligned blocks) compute nodes of
+// the same tree and combine them alike. This file is compiled with
 // -ffp-contract=off: a fused multiply-add here would round differently from a leaf stored, then
 // added (the path the ranks' blocks take).
 #include <algorithm>
@@ -143,9 +142,17 @@ void clip_and_sum(const T* updates, int64_t R, int64_t d, const T* weights, doub
       // The scale of row r (0 for a faulty row: the call's result is discarded then).
       const auto scale_of = [&](int64_t r) {
         const T* __restrict__ u = updates + r * d;
+        // 16 partial sums: four independent vector chains, not one latency-bound chain
+        constexpr int64_t kLanes = 16;
+        double part[kLanes] = {0.0};
+        int64_t j = 0;
+        for (; j + kLanes <= d; j += kLanes) {
+#pragma omp simd
+          for (int64_t l = 0; l < kLanes; ++l) part[l] += double(u[j + l]) * double(u[j + l]);
+        }
+        for (; j < d; ++j) part[j % kLanes] += double(u[j]) * double(u[j]);
         double sq = 0.0;
-#pragma omp simd reduction(+ : sq)
-        for (int64_t j = 0; j < d; ++j) sq += double(u[j]) * double(u[j]);
+        for (int64_t l = 0; l < kLanes; ++l) sq += part[l];
         const double norm = std::sqrt(sq);
         const double w = weights ? double(weights[r]) : 1.0;
         if (!std::isfinite(norm)) {
@@ -174,8 +181,8 @@ void clip_and_sum(const T* updates, int64_t R, int64_t d, const T* weights, doub
         double* __restrict__ node4 = local.next();
 #pragma omp simd
         for (int64_t j = 0; j < d; ++j) {
-          const double a = (s0 * double(u0[j]) + 0.0) + (s1 * double(u1[j]) + 0.0);
-          const double b = (s2 * double(u2[j]) + 0.0) + (s3 * double(u3[j]) + 0.0);
+          const double a = s0 * double(u0[j]) + s1 * double(u1[j]);
+          const double b = s2 * double(u2[j]) + s3 * double(u3[j]);
           node4[j] = a + b;
         }
         local.pushed4();
@@ -185,7 +192,7 @@ void clip_and_sum(const T* updates, int64_t R, int64_t d, const T* weights, doub
         const T* __restrict__ u = updates + r * d;
         double* __restrict__ leaf = local.next();
 #pragma omp simd
-        for (int64_t j = 0; j < d; ++j) leaf[j] = scale * double(u[j]) + 0.0;
+        for (int64_t j = 0; j < d; ++j) leaf[j] = scale * double(u[j]);
         local.pushed();
       }
       const double* total = local.finish();

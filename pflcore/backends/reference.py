@@ -376,7 +376,7 @@ class ReferenceAdapter(Adapter):
         scale = torch.where(norms > clip_norm, clip_norm / norms, torch.ones_like(norms))
         if weights is not None:
             scale = weights.to(torch.float64) * scale
-        leaves = scale[:, None] * u + 0.0  # + 0.0: no -0.0 (csrc/cpu/dp.cpp)
+        leaves = scale[:, None] * u + 0.0  # + 0.0: no -0.0, so that tree_sum's padding zeros add nothing
         total = tree_sum(leaves).cpu()
         if noise_std > 0:
             total = total + noise_std * self.dp_normals(u.shape[1], seed, counter)
