@@ -139,8 +139,7 @@ def _farthest_point_labels(Y: torch.Tensor, k: int) -> torch.Tensor:
         if float(best[far]) <= 0.0:  # fewer distinct points than clusters
             break
         dist = ((Y - Y[far]) ** 2).sum(dim=1)
-        closer = dist < best
-        labels[closer] = c
+        labels = torch.where(dist < best, c, labels)
         best = torch.minimum(best, dist)
     return labels
 
