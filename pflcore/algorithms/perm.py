@@ -164,7 +164,22 @@ def screened_weights(G: torch.Tensor, sizes: torch.Tensor, lam_alpha: float, row
     the same column clusters) and water-filled over those columns; the others are 0. When
     nothing can be screened (gradients without groups) this is the dense computation.
 
+    It runs on one thread (torch's intra-op threads set to 1 for the call): its work is many
+    medium-sized ops, and with 2 threads on a 2-core machine shared with other processes they
+    took 1.18 s where one thread took 0.17 s (m = 2,000, bench/server_steps.py; the dense solve
+    took 0.41 s on 2 threads there).
+
     Returns float64 ``[r, m]`` (the rows ``rows``)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _screened_weights(G, sizes, lam_alpha, rows, clusters, projection)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _screened_weights(G: torch.Tensor, sizes: torch.Tensor, lam_alpha: float, rows: slice, clusters: int,
+                      projection: int) -> torch.Tensor:
     if G.dim() != 2 or G.shape[0] < 1:
         raise ValueError(f"G: expected shape [m, d] with m >= 1, got {list(G.shape)}")
     m, d = G.shape
