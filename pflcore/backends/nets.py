@@ -44,6 +44,9 @@ most 16 classes) run in a native kernel instead, where the build has AVX-512
 register-wide layouts, 1.3x the batched GEMMs above on MLP(60, 100, 10) at B = 20. Every other
 net, dtype, device and call keeps the torch paths.
 
+CNNs take the batched im2col + GEMM path of ``cnn_batched.py`` by default (``HAND_WRITTEN_CNN``),
+chunked and threaded like the rest; ``evaluate`` uses its forward pass.
+
 The references (``pflcore/backends/reference.py``) are a plain loop over model rows with
 ``torch.autograd`` on a ``torch.nn`` module holding the row's parameters (``net.module()``),
 written independently of the vmapped path (they also check the parameter layout).
