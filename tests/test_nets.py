@@ -27,6 +27,7 @@ def _nets_under_test():
         "mlp": lambda: models.MLP(13, (7, 5), 4, l2=0.01),
         "mlp_vmap": lambda: models.MLP(13, 6, 3),           # run with the generic torch.func path
         "cnn": lambda: models.CNN(36, 3, channels=(2, 3), kernel_size=3, padding=1, hidden=(5,), l2=0.02),
+        "cnn_vmap": lambda: models.CNN(36, 3, channels=(2,), kernel_size=3, padding=1, hidden=(), l2=0.02),
     }
 
 
@@ -38,6 +39,8 @@ def net_factory(request, monkeypatch):
     kind = request.param
     if kind == "mlp_vmap":
         monkeypatch.setattr(_nets, "HAND_WRITTEN_MLP", False)
+    if kind == "cnn_vmap":  # the generic torch.func path, kept for other nets
+        monkeypatch.setattr(_nets, "HAND_WRITTEN_CNN", False)
     return _nets_under_test()[kind]
 
 

@@ -10,7 +10,7 @@ import torch
 import pflcore
 from pflcore import algorithms as A
 from pflcore import data, models
-from pflcore.algorithms.perm import PERM, mixing_weights, pairwise_sqdist, water_filling
+from pflcore.algorithms.perm import PERM, mixing_weights, pairwise_sqdist, screened_weights, water_filling
 
 
 def _project_simplex(v: torch.Tensor) -> torch.Tensor:
@@ -181,3 +181,75 @@ def test_resume_is_bitwise(tmp_path):
     resumed = pflcore.resume(str(ck), progress=False)
     assert torch.equal(resumed.personalized, full.personalized)
     assert torch.equal(resumed.state.alpha, full.state.alpha)
+
+
+def _grouped_gradients(m, d, groups, spread, seed, dtype=torch.float64):
+    """Rows around ``groups`` well separated centres (PERM's setting), plus a few outliers."""
+    g = torch.Generator().manual_seed(seed)
+    centres = torch.randn(groups, d, generator=g, dtype=torch.float64) * 5
+    G = centres[torch.randint(0, groups, (m,), generator=g)] + spread * torch.randn(m, d, generator=g,
+                                                                                    dtype=torch.float64)
+    G[:3] += 3 * torch.randn(3, d, generator=g, dtype=torch.float64)
+    return G.to(dtype) + 40.0, torch.randint(1, 300, (m,), generator=g)
+
+
+@pytest.mark.parametrize("groups, spread, lam", [(4, 0.1, 100.0), (4, 0.1, 1e4), (6, 1.0, 3.0), (1, 1.0, 1.0),
+                                                 (3, 0.05, 0.01)])
+def test_screened_weights_equal_the_dense_solve(groups, spread, lam):
+    """The screened computation (clusters, triangle bounds, exact distances of the kept pairs)
+    gives the dense water-filling of all m² distances: to rounding (the kept distances come from
+    GEMMs of other shapes), with the same zeros; for all rows, a block of rows (a rank's), tiny
+    clusters and one cluster (nothing screened)."""
+    G, n = _grouped_gradients(257, 23, groups, spread, seed=groups)
+    dense = water_filling(pairwise_sqdist(G), n, lam)
+    for clusters in (16, 1, 300):
+        got = screened_weights(G, n, lam, clusters=clusters)
+        torch.testing.assert_close(got, dense, rtol=1e-9, atol=1e-12)
+        assert torch.equal(got > 1e-9, dense > 1e-9)
+    part = screened_weights(G, n, lam, slice(100, 170))
+    torch.testing.assert_close(part, dense[100:170], rtol=1e-9, atol=1e-12)
+    if groups > 1:  # weight only inside a group: the screen had something to skip
+        assert float((dense > 0).double().mean()) < 0.6
+
+
+def test_screened_weights_float32_gradients_and_threads():
+    G, n = _grouped_gradients(200, 31, 4, 0.2, seed=9, dtype=torch.float32)
+    dense = water_filling(pairwise_sqdist(G), n, 50.0)
+    torch.testing.assert_close(screened_weights(G, n, 50.0), dense, rtol=1e-9, atol=1e-12)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = screened_weights(G, n, 50.0)
+        torch.set_num_threads(2)
+        assert torch.equal(screened_weights(G, n, 50.0), one)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_screened_weights_errors():
+    G, n = _grouped_gradients(10, 3, 2, 0.1, seed=1)
+    with pytest.raises(ValueError, match="lam_alpha"):
+        screened_weights(G, n, 0.0)
+    with pytest.raises(ValueError, match=r"sizes: expected shape \[10\]"):
+        screened_weights(G, n[:9], 1.0)
+    with pytest.raises(ValueError, match="sizes: expected positive"):
+        screened_weights(G, n * 0, 1.0)
+    with pytest.raises(ValueError, match=r"G: expected shape \[m, d\]"):
+        screened_weights(G[0], n, 1.0)
+    bad = G.clone()
+    bad[2, 1] = float("nan")
+    with pytest.raises(ValueError, match="G: expected finite"):
+        screened_weights(bad, n, 1.0)
+
+
+def test_mixing_weights_of_many_clients_take_the_screen(monkeypatch):
+    """``weights_from_gradients`` screens from SCREEN_MIN_CLIENTS clients on; same α as dense."""
+    from pflcore.algorithms import perm
+    G, n = _grouped_gradients(120, 12, 3, 0.1, seed=4)
+    calls = []
+    real = perm.screened_weights
+    monkeypatch.setattr(perm, "screened_weights", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(perm, "SCREEN_MIN_CLIENTS", 100)
+    got = perm.weights_from_gradients(G, n, 20.0)
+    assert calls == [1]
+    torch.testing.assert_close(got, water_filling(pairwise_sqdist(G), n, 20.0), rtol=1e-9, atol=1e-12)

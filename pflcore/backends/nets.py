@@ -44,6 +44,9 @@ most 16 classes) run in a native kernel instead, where the build has AVX-512
 register-wide layouts, 1.3x the batched GEMMs above on MLP(60, 100, 10) at B = 20. Every other
 net, dtype, device and call keeps the torch paths.
 
+CNNs take the batched im2col + GEMM path of ``cnn_batched.py`` by default (``HAND_WRITTEN_CNN``),
+chunked and threaded like the rest; ``evaluate`` uses its forward pass.
+
 The references (``pflcore/backends/reference.py``) are a plain loop over model rows with
 ``torch.autograd`` on a ``torch.nn`` module holding the row's parameters (``net.module()``),
 written independently of the vmapped path (they also check the parameter layout).
@@ -61,7 +64,8 @@ import torch.nn.functional as F
 from pflcore.backends import _values
 from pflcore.backends.base import Adapter
 from pflcore.client_data import ClientData
-from pflcore.models.nets import MLP, TorchNet
+from pflcore.models.nets import CNN, MLP, TorchNet
+from pflcore.backends import cnn_batched
 
 # Bytes of parameters + gradients + activations that one chunk of model rows may touch per step.
 CHUNK_BYTES = {"cpu": 32 << 20, "cuda": 1 << 30}
@@ -70,6 +74,8 @@ CHUNK_BYTES = {"cpu": 32 << 20, "cuda": 1 << 30}
 MIN_CHUNKS = 16
 # MLPs: hand-written batched forward/backward (False: the generic torch.func path).
 HAND_WRITTEN_MLP = True
+# CNNs: the batched im2col + GEMM forward/backward of cnn_batched.py (False: torch.func).
+HAND_WRITTEN_CNN = True
 
 
 def is_net(model) -> bool:
@@ -194,6 +200,10 @@ def _max_rows(data: ClientData, rows: torch.Tensor) -> int:
 
 def _fast_mlp(model) -> bool:
     return HAND_WRITTEN_MLP and isinstance(model, MLP)
+
+
+def _fast_cnn(model) -> bool:
+    return HAND_WRITTEN_CNN and isinstance(model, CNN)
 
 
 def _mlp_layers(model: MLP, theta: torch.Tensor):
@@ -435,11 +445,20 @@ def local_steps(model: TorchNet, theta_t: torch.Tensor, data: ClientData, rows_t
     grad = _grad_fn(model)
     rows_per_model = batches_t.shape[2] if batches_t is not None else _max_rows(data, rows_t)
     shrink = 1.0 - lr * (model.l2 + prox)  # θ(1 − lr(l2 + prox)) + lr·prox·a − lr·g
-    fast = _fast_mlp(model)
+    fast, fast_cnn = _fast_mlp(model), _fast_cnn(model)
 
     def work(c0: int, c1: int) -> None:
         th = theta_t[c0:c1]  # consecutive rows of a contiguous [R, d]: a contiguous view
         a = None if anchor_t is None else (anchor_t if anchor_t.dim() == 1 else anchor_t[c0:c1])
+        if fast_cnn:
+            scale = None if scale_t is None else scale_t[c0:c1]
+            if batches_t is None:
+                cnn_batched.local_steps_chunk(model, th, data, None, _full_batch(data, rows_t[c0:c1]), a, scale, steps,
+                                              lr, prox, lr_scale)
+            else:
+                idx = batches_t[c0:c1].transpose(0, 1).to(torch.int64).contiguous()
+                cnn_batched.local_steps_chunk(model, th, data, idx, None, a, scale, steps, lr, prox, lr_scale)
+            return
         if fast:
             scale = None if scale_t is None else scale_t[c0:c1]
             if batches_t is None:
@@ -490,6 +509,12 @@ def gradients(model: TorchNet, theta_t: torch.Tensor, data: ClientData, rows_t: 
         else:
             idx = batches_t[c0:c1].to(torch.int64)
             w = torch.full(idx.shape, 1.0 / idx.shape[1], dtype=data.dtype, device=data.device)
+        if _fast_cnn(model):
+            x, y = _gather(data, idx)
+            cnn_batched.gradient_into(model, th, x, y, w, out[c0:c1])
+            if model.l2:
+                out[c0:c1].add_(th, alpha=model.l2)
+            return
         if _fast_mlp(model):
             ch = _MLPChunk(model, c1 - c0, idx.shape[1], th.dtype, th.device)
             ch.load(th)
@@ -555,8 +580,8 @@ def evaluate(model: TorchNet, theta_t: torch.Tensor, data: ClientData, rows_t: t
         else:
             th = theta_t[c0:c1] if owner is None else theta_t.index_select(0, owner[c0:c1])
         x, y = _gather(data, idx_all[c0:c1])
-        if _fast_mlp(model):  # logits [c, C, n]: the class dimension first (see _MLPChunk)
-            zt = _mlp_logits_t(_mlp_layers(model, th), x)
+        if _fast_mlp(model) or _fast_cnn(model):  # logits [c, C, n]: the class dimension first (see _MLPChunk)
+            zt = _mlp_logits_t(_mlp_layers(model, th), x) if _fast_mlp(model) else cnn_batched.logits_t(model, th, x)
             ce = torch.logsumexp(zt, 1).sub_(zt.gather(1, y.unsqueeze(1)).squeeze(1))
             hit = zt.max(1).indices == y  # the first maximal logit, like argmax (7x faster over dim 1)
         else:
