@@ -49,7 +49,8 @@ void kmeans_assign(const T* points, const T* centroids, int64_t N, int64_t K, in
 #pragma omp for schedule(dynamic, 1)
     for (int64_t b = 0; b < N; b += kAssignBlock)
       assign_range(points, b, std::min(N, b + kAssignBlock), pk, nullptr, false, dots, faults,
-                   [&](int64_t i, int64_t k, T dist) {
+                   [d](int64_t, int64_t, const T* x, const T* c) { return sqdist_direct(x, c, d); },
+                   [&](int64_t i, int64_t k, T dist, bool) {
                      labels[i] = k;
                      sqdist[i] = dist;
                    });
@@ -159,7 +160,7 @@ template <typename T>
 void kmeans_lloyd(const T* points, const T* weights, int64_t N, int64_t K, int64_t d, T* centroids, int64_t iters,
                   double tol, int64_t* labels, double* history, int64_t* iterations, Faults& faults) {
   *iterations = 0;
-  if (!centroids_finite(centroids, K, d, faults, "init")) return;
+  if (!centroids_finite(centroids, K, d, faults)) return;
   if (weights)
     for (int64_t i = 0; i < N; ++i)
       if (!(std::isfinite(weights[i]) && weights[i] >= T(0))) {
@@ -190,16 +191,21 @@ void kmeans_lloyd(const T* points, const T* weights, int64_t N, int64_t K, int64
         if (sums) std::fill(acc, acc + stride, 0.0);
         double inertia = 0.0;
         int64_t changed = 0;
+        auto single = [&](int64_t i, int64_t k, const T* x, const T* cen) {
+          // unweighted sums: the distance and the sum in one pass over x
+          return sums && !weights ? sqdist_direct_and_add(x, cen, d, acc + k * d) : sqdist_direct(x, cen, d);
+        };
         assign_range(points, c * ch.size, std::min(N, (c + 1) * ch.size), pk, xnorm.data(), !first, dots, faults,
-                     [&](int64_t i, int64_t k, T dist) {
+                     single, [&](int64_t i, int64_t k, T dist, bool via_single) {
                        const double w = weights ? double(weights[i]) : 1.0;
                        changed += labels[i] != k;
                        labels[i] = k;
                        inertia += w * double(dist);
                        if (!sums) return;
+                       wacc[k] += w;
+                       if (via_single && !weights) return;  // summed by `single`
                        const T* x = points + i * d;
                        double* a = acc + k * d;
-                       wacc[k] += w;
                        if (weights) {
 #pragma omp simd
                          for (int64_t j = 0; j < d; ++j) a[j] += w * double(x[j]);

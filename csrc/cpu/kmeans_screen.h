@@ -15,6 +15,7 @@
 //     lowest index, as in the torch reference.
 #pragma once
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -53,6 +54,8 @@ constexpr int kLanes = kVecBytes / int(sizeof(T));
 // vectors: P·NV accumulators + NV centroid vectors + 1 broadcast fit the registers, and P·NV
 // >= 8 keeps two FMA pipes of latency 4 busy.
 constexpr int kMaxNV = kVecRegs >= 32 ? 4 : 2;
+// The single-candidate test looks at up to this many vectors of screens (K up to 4 vectors).
+constexpr int kMaxCandidateWords = 4;
 constexpr int points_for(int nv) {
   return kVecRegs >= 32 ? (nv <= 2 ? 12 : nv == 3 ? 8 : 6) : (nv == 1 ? 8 : 6);
 }
@@ -64,10 +67,31 @@ inline Vec<T> load(const T* p) {
   return v;
 }
 
+// Σ of the lanes, by halves (the upper half added onto the lower) down to 16 bytes, then in order.
 template <typename T>
 inline T hsum(const Vec<T>& v) {
-  T s = v[0];
-  for (int l = 1; l < kLanes<T>; ++l) s += v[l];
+  typedef T V16 __attribute__((vector_size(16)));
+  V16 h;
+  if constexpr (kVecBytes == 64) {
+    typedef T V32 __attribute__((vector_size(32)));
+    V32 lo, hi;
+    std::memcpy(&lo, &v, 32);
+    std::memcpy(&hi, reinterpret_cast<const char*>(&v) + 32, 32);
+    lo += hi;
+    V16 a, b;
+    std::memcpy(&a, &lo, 16);
+    std::memcpy(&b, reinterpret_cast<const char*>(&lo) + 16, 16);
+    h = a + b;
+  } else if constexpr (kVecBytes == 32) {
+    V16 a, b;
+    std::memcpy(&a, &v, 16);
+    std::memcpy(&b, reinterpret_cast<const char*>(&v) + 16, 16);
+    h = a + b;
+  } else {
+    std::memcpy(&h, &v, 16);
+  }
+  T s = h[0];
+  for (int l = 1; l < int(16 / sizeof(T)); ++l) s += h[l];
   return s;
 }
 
@@ -118,6 +142,21 @@ inline uint32_t lanes_at_most(const Vec<T>& v, T lim) {
 #endif
 }
 
+// values + r, loaded as a vector: lanes l >= L − r are 1, the others 0 (the last r of L values).
+template <typename T>
+struct TailMask {
+  static constexpr int L = kLanes<T>;
+  static constexpr auto make = [](auto one) {
+    std::array<decltype(one), 2 * L> v{};
+    for (int i = L; i < 2 * L; ++i) v[size_t(i)] = one;
+    return v;
+  };
+  alignas(64) static inline const std::array<T, 2 * L> values_ = make(T(1));
+  alignas(64) static inline const std::array<double, 2 * L> as_double_ = make(1.0);
+  static inline const T* const values = values_.data();
+  static inline const double* const as_double = as_double_.data();
+};
+
 // The direct squared distance; every exact distance goes through this one function (two
 // vector accumulators, then the tail in order).
 template <typename T>
@@ -135,8 +174,14 @@ inline T sqdist_direct(const T* __restrict__ x, const T* __restrict__ c, int64_t
     a0 += e0 * e0;
     j += L;
   }
+  if (j < d && d >= L) {  // the tail: the last L values, those already counted masked out
+    const int64_t t = d - L;
+    const Vec<T> e1 = (load(x + t) - load(c + t)) * load(TailMask<T>::values + (d - j));
+    a1 += e1 * e1;
+    j = d;
+  }
   T acc = hsum<T>(a0 + a1);
-  for (; j < d; ++j) {
+  for (; j < d; ++j) {  // d < L
     const T e = x[j] - c[j];
     acc += e * e;
   }
@@ -160,6 +205,57 @@ inline T sumsq(const T* __restrict__ v, int64_t d) {
   }
   T acc = hsum<T>(a0 + a1);
   for (; j < d; ++j) acc += v[j] * v[j];
+  return acc;
+}
+
+// sqdist_direct(x, c, d) (the same operations in the same order: the same bits), and a[j] +=
+// x[j] in float64 in the same pass over x (the Lloyd loop's cluster sums).
+template <typename T>
+inline T sqdist_direct_and_add(const T* __restrict__ x, const T* __restrict__ c, int64_t d, double* __restrict__ a) {
+  constexpr int L = kLanes<T>, LD = kLanes<double>;
+  typedef T Part __attribute__((vector_size(LD * sizeof(T))));  // LD values of T
+  auto add = [&](int64_t j) {  // a[j .. j + L) += x[j .. j + L)
+    for (int h = 0; h < L; h += LD) {
+      Part xp;
+      std::memcpy(&xp, x + j + h, sizeof xp);
+      const Vec<double> sum = load(a + j + h) + __builtin_convertvector(xp, Vec<double>);
+      std::memcpy(a + j + h, &sum, sizeof sum);
+    }
+  };
+  Vec<T> a0{}, a1{};
+  int64_t j = 0;
+  for (; j + 2 * L <= d; j += 2 * L) {
+    const Vec<T> e0 = load(x + j) - load(c + j), e1 = load(x + j + L) - load(c + j + L);
+    a0 += e0 * e0;
+    a1 += e1 * e1;
+    add(j);
+    add(j + L);
+  }
+  if (j + L <= d) {
+    const Vec<T> e0 = load(x + j) - load(c + j);
+    a0 += e0 * e0;
+    add(j);
+    j += L;
+  }
+  if (j < d && d >= L) {  // the tail as in sqdist_direct; the sums' lanes already added get + 0
+    const int64_t t = d - L, r = d - j;
+    const Vec<T> e1 = (load(x + t) - load(c + t)) * load(TailMask<T>::values + r);
+    a1 += e1 * e1;
+    for (int h = 0; h < L; h += LD) {
+      Part xp;
+      std::memcpy(&xp, x + t + h, sizeof xp);
+      const Vec<double> sum =
+          load(a + t + h) + __builtin_convertvector(xp, Vec<double>) * load(TailMask<T>::as_double + r + h);
+      std::memcpy(a + t + h, &sum, sizeof sum);
+    }
+    j = d;
+  }
+  T acc = hsum<T>(a0 + a1);
+  for (; j < d; ++j) {  // d < L
+    const T e = x[j] - c[j];
+    acc += e * e;
+    a[j] += double(x[j]);
+  }
   return acc;
 }
 
@@ -252,12 +348,14 @@ inline double norm_bound(T xn2, int64_t d) {
   return std::sqrt(double(xn2)) * (1.0 + double(d + 2) * double(std::numeric_limits<T>::epsilon()));
 }
 
-// Assigns points [i0, i1): calls on_point(i, label, sqdist) for each finite point, in order
-// within each tile. xnorm: a cache of norm_bound per point (read when `cached`, written
+// Assigns points [i0, i1): calls on_point(i, label, sqdist, via_single) for each finite point,
+// in order. When the screen leaves one candidate, its distance is single(i, k, x, c) (which must
+// return sqdist_direct(x, c, d), and may do more in the same pass over x: via_single is then
+// true); otherwise every candidate's sqdist_direct is compared. xnorm: a cache of norm_bound per point (read when `cached`, written
 // otherwise), or null to compute them here. A point with a NaN/inf is a fault and is skipped.
-template <typename T, int P, typename OnPoint>
+template <typename T, int P, typename Single, typename OnPoint>
 void assign_range_p(const T* points, int64_t i0, int64_t i1, const Packed<T>& pk, double* xnorm, bool cached,
-                    std::vector<T>& dots, Faults& faults, OnPoint&& on_point) {
+                    std::vector<T>& dots, Faults& faults, Single&& single, OnPoint&& on_point) {
   const int64_t d = pk.d, K = pk.K, Kpad = pk.Kpad;
   dots.resize(size_t(P * Kpad));
   double xnb[P];
@@ -303,11 +401,27 @@ void assign_range_p(const T* points, int64_t i0, int64_t i1, const Packed<T>& pk
       // every centroid is computed directly (+inf: the padding's lanes are then candidates too).
       if (!(reach * reach < 0.25 * double(std::numeric_limits<T>::max())) || !std::isfinite(limit))
         lim = std::numeric_limits<T>::infinity();
+      uint32_t bits[kMaxCandidateWords];
+      int candidates = 0;
+      for (int64_t v = 0; v < pk.nv; ++v) {
+        bits[v % kMaxCandidateWords] = lanes_at_most<T>(load(sp + v * kLanes<T>), lim);
+        candidates += __builtin_popcount(bits[v % kMaxCandidateWords]);
+        if (candidates > 1 || v + 1 >= kMaxCandidateWords) break;
+      }
+      if (candidates == 1 && pk.nv <= kMaxCandidateWords) {  // the usual case: the screen decides
+        int64_t k = 0;
+        for (int64_t v = 0; v < pk.nv; ++v)
+          if (bits[v]) k = v * kLanes<T> + __builtin_ctz(bits[v]);
+        if (k < K) {
+          on_point(t0 + p, k, single(t0 + p, k, xr[p], pk.rows + k * d), true);
+          continue;
+        }
+      }
       T best = std::numeric_limits<T>::infinity();
       int64_t arg = -1;
       for (int64_t v = 0; v < pk.nv; ++v)
-        for (uint32_t bits = lanes_at_most<T>(load(sp + v * kLanes<T>), lim); bits; bits &= bits - 1) {
-          const int64_t k = v * kLanes<T> + __builtin_ctz(bits);
+        for (uint32_t b = lanes_at_most<T>(load(sp + v * kLanes<T>), lim); b; b &= b - 1) {
+          const int64_t k = v * kLanes<T> + __builtin_ctz(b);
           if (k >= K) break;  // the padding
           const T dist = sqdist_direct(xr[p], pk.rows + k * d, d);
           if (arg < 0 || dist < best) {
@@ -315,21 +429,21 @@ void assign_range_p(const T* points, int64_t i0, int64_t i1, const Packed<T>& pk
             arg = k;
           }
         }
-      on_point(t0 + p, arg, best);
+      on_point(t0 + p, arg, best, false);
     }
   }
 }
 
 // The tile height for these centroids (the register blocking of their widest block).
-template <typename T, typename OnPoint>
+template <typename T, typename Single, typename OnPoint>
 void assign_range(const T* points, int64_t i0, int64_t i1, const Packed<T>& pk, double* xnorm, bool cached,
-                  std::vector<T>& dots, Faults& faults, OnPoint&& on_point) {
+                  std::vector<T>& dots, Faults& faults, Single&& single, OnPoint&& on_point) {
   const int P = points_for(int(std::min<int64_t>(pk.nv, kMaxNV)));
   if constexpr (kVecRegs >= 32) {
-    if (P == 12) return assign_range_p<T, 12>(points, i0, i1, pk, xnorm, cached, dots, faults, on_point);
+    if (P == 12) return assign_range_p<T, 12>(points, i0, i1, pk, xnorm, cached, dots, faults, single, on_point);
   }
-  if (P == 8) return assign_range_p<T, 8>(points, i0, i1, pk, xnorm, cached, dots, faults, on_point);
-  assign_range_p<T, 6>(points, i0, i1, pk, xnorm, cached, dots, faults, on_point);
+  if (P == 8) return assign_range_p<T, 8>(points, i0, i1, pk, xnorm, cached, dots, faults, single, on_point);
+  assign_range_p<T, 6>(points, i0, i1, pk, xnorm, cached, dots, faults, single, on_point);
 }
 
 }  // namespace kmeans_detail

@@ -84,7 +84,7 @@ void kmeans_update(const T* points /*[N, d]*/, const int64_t* labels /*[N]*/,
 // keeps its centroid), assign again; stop when no label changes or when the squared centroid shift
 // is at most tol × the points' total variance. history[t] = Σ_i w_i·sqdist_i after assignment t
 // (history[0..*iterations]); labels are the last assignment's. Bitwise the same on any thread
-// count. Checks the centroids ("init"), the weights, then the points.
+// count. Checks the centroids, the weights, then the points (as it reads them).
 template <typename T>
 void kmeans_lloyd(const T* points /*[N, d]*/, const T* weights /*[N] or null*/, int64_t N, int64_t K, int64_t d,
                   T* centroids /*[K, d] in place*/, int64_t iters, double tol, int64_t* labels /*[N]*/,
