@@ -4,14 +4,22 @@
 
 Points: the ``small`` call is 200 points x d = 60 against 10 centroids (the matmul shapes of the
 op boundary); 1,000 and 10,000 points of d = 610 (Softmax 60x10 models, the CGPFL setting) in 16
-clusters (centers N(0, 1), noise 2.0 per coordinate), centroids = centers + 0.2 noise. Lloyd runs
-on 16 overlapping clusters (centers 0.3·N(0, 1), noise N(0, 1)) from 16 of the points, so that it
-runs to the cap of 10 iterations; every implementation starts from the same centroids; faiss
-runs exactly the iterations pflcore took (it has no label-convergence stop), scikit-learn stops
-like pflcore (labels unchanged; it counts one iteration more).
-Agreement: labels equal on >= 99.9% of the points (faiss and scikit-learn expand
-‖x‖² − 2x·c + ‖c‖², whose rounding can flip near-ties), squared distances / inertia within 1e-3
-relative. FLOPs: 2·N·K·d per assignment pass (the GEMM-equivalent count).
+clusters (centers N(0, 1), noise 2.0 per coordinate), centroids = centers + 0.2 noise; 100,000
+points of d = 60 in 10 clusters (issue 24's second workload). Lloyd runs on overlapping clusters
+(centers 0.3·N(0, 1), noise N(0, 1)) from K of the points, so that it runs to the cap of 10
+iterations (tol = 0); every implementation starts from the same centroids; faiss runs exactly
+the iterations pflcore took (it has no label-convergence stop) on all the points
+(``max_points_per_centroid = N``: no subsampling; not spherical, float centroids; an empty
+cluster is split from a large one where pflcore keeps it: none empties here), then one search
+for the final labels; scikit-learn (``algorithm="lloyd"``, the same init, ``n_init=1``) stops
+like pflcore (labels unchanged), and both end with one assignment to the final centroids.
+Agreement, checked before timing: pflcore's backends give the labels of ``kmeans_ref``
+(``kmeans_assign_ref``) exactly and the inertia to 1e-5 relative; the peers' labels agree on
+>= 99.9% of the points after one assignment, >= 99.5% after Lloyd (they expand
+‖x‖² − 2x·c + ‖c‖², whose rounding can flip near-ties, and sum the centroids in float32), their
+distances / inertia within 1e-5 relative. FLOPs: 2·N·K·d per assignment pass (the
+GEMM-equivalent count). ``python bench/kmeans_peers.py`` prints the ratio table at 1 and 2
+threads (bench/results/kmeans.json).
 """
 from __future__ import annotations
 
@@ -23,9 +31,10 @@ from pflcore import backend, ops
 
 from _suite import cached, device_of, expected, group_name, impls, measure
 
-K_OF = {"small": 10, "1k": 16, "10k": 16}
-N_OF = {"small": 200, "1k": 1_000, "10k": 10_000}
-D_OF = {"small": 60, "1k": 610, "10k": 610}
+K_OF = {"small": 10, "1k": 16, "10k": 16, "100k": 10}
+N_OF = {"small": 200, "1k": 1_000, "10k": 10_000, "100k": 100_000}
+D_OF = {"small": 60, "1k": 610, "10k": 610, "100k": 60}
+LARGE = pytest.param("100k", marks=pytest.mark.large)  # left out by --bench-quick
 ITERS = 10
 threads = torch.get_num_threads()
 
@@ -65,8 +74,10 @@ def lloyd_workload(size):
 
 @pytest.mark.op("kmeans_assign")
 @pytest.mark.parametrize("impl", impls("faiss", "sklearn"))
-@pytest.mark.parametrize("size", ["small", "1k", "10k"])
+@pytest.mark.parametrize("size", ["small", "1k", "10k", LARGE])
 def test_kmeans_assign(benchmark, size, impl):
+    if size == "100k" and getattr(benchmark, "disabled", False):
+        pytest.skip("check mode (CI's time budget): 100,000 points are checked when timed and by bench/kmeans_peers.py")
     points, centroids = workload(size)
     want_labels, want_sq = expected(("kmeans_assign", size), lambda: ops.kmeans_assign_ref(points, centroids))
     if impl == "faiss":
@@ -97,8 +108,11 @@ def test_kmeans_assign(benchmark, size, impl):
         labels, sq = (torch.as_tensor(t).cpu() for t in out)
         agree = float((labels.long() == want_labels).double().mean())
         rel = float(((sq.double() - want_sq.double()).abs() / want_sq.double().clamp_min(1e-30)).max())
-        assert agree >= 0.999, f"{impl}: labels agree with kmeans_assign_ref on only {agree:.4%} of the points"
-        assert rel <= 1e-3, f"{impl}: squared distances differ from the reference by up to {rel:.3g} (relative)"
+        if impl in ("faiss", "sklearn"):
+            assert agree >= 0.999, f"{impl}: labels agree with kmeans_assign_ref on only {agree:.4%} of the points"
+        else:  # pflcore: the direct distances' labels, ties to the lowest index
+            assert agree == 1.0, f"{impl}: labels differ from kmeans_assign_ref on {1 - agree:.4%} of the points"
+        assert rel <= 1e-5, f"{impl}: squared distances differ from the reference by up to {rel:.3g} (relative)"
 
     N, K, d = N_OF[size], K_OF[size], D_OF[size]
     measure(benchmark, op="kmeans_assign", size=size, group=group_name("kmeans_assign", size, _label(size)),
@@ -107,8 +121,10 @@ def test_kmeans_assign(benchmark, size, impl):
 
 @pytest.mark.op("kmeans")
 @pytest.mark.parametrize("impl", impls("faiss", "sklearn"))
-@pytest.mark.parametrize("size", ["1k", "10k"])
+@pytest.mark.parametrize("size", ["1k", "10k", LARGE])
 def test_kmeans(benchmark, size, impl):
+    if size == "100k" and getattr(benchmark, "disabled", False):
+        pytest.skip("check mode (CI's time budget): 100,000 points are checked when timed and by bench/kmeans_peers.py")
     points, init = lloyd_workload(size)
     want = expected(("kmeans", size), lambda: ops.kmeans_ref(points, init=init, iters=ITERS, tol=0.0))
     iters = int(want.iterations)
@@ -119,10 +135,10 @@ def test_kmeans(benchmark, size, impl):
 
         def run():
             km = faiss.Kmeans(d, K, niter=iters, max_points_per_centroid=N, min_points_per_centroid=1,
-                              seed=0, verbose=False)
+                              seed=0, verbose=False, spherical=False, int_centroids=False)
             km.train(P, init_centroids=C0)
-            _, I = km.index.search(P, 1)
-            return torch.from_numpy(I[:, 0]), None
+            D, I = km.index.search(P, 1)
+            return torch.from_numpy(I[:, 0]), float(D[:, 0].astype("float64").sum())
     elif impl == "sklearn":
         from sklearn.cluster import KMeans
         P, C0 = points.numpy(), init.numpy()
@@ -143,10 +159,14 @@ def test_kmeans(benchmark, size, impl):
     def check(out):
         labels, inertia = out
         agree = float((torch.as_tensor(labels).cpu().long() == want.labels).double().mean())
-        assert agree >= 0.999, f"{impl}: final labels agree with kmeans_ref on only {agree:.4%} of the points"
-        if inertia is not None:
-            rel = abs(inertia - float(want.inertia)) / float(want.inertia)
-            assert rel <= 1e-3, f"{impl}: inertia {inertia:.6g} vs kmeans_ref {float(want.inertia):.6g}"
+        if impl in ("faiss", "sklearn"):
+            # float32 centroid sums (and the expanded distances) drift over the iterations: at
+            # 100,000 points faiss ends with ~0.1% of the labels elsewhere, at the same inertia
+            assert agree >= 0.995, f"{impl}: final labels agree with kmeans_ref on only {agree:.4%} of the points"
+        else:
+            assert agree == 1.0, f"{impl}: final labels differ from kmeans_ref on {1 - agree:.4%} of the points"
+        rel = abs(inertia - float(want.inertia)) / float(want.inertia)
+        assert rel <= 1e-5, f"{impl}: inertia {inertia:.6g} vs kmeans_ref {float(want.inertia):.6g}"
 
     measure(benchmark, op="kmeans", size=size,
             group=group_name("kmeans", size, f"{_label(size)}, Lloyd from the same centroids ({iters} iterations)"),

@@ -184,6 +184,23 @@ void kmeans_update_t(ptr_t points, int64_t N, int64_t d, ptr_t labels, ptr_t wei
 }
 
 template <typename T>
+int64_t kmeans_lloyd_t(ptr_t points, int64_t N, int64_t d, ptr_t weights, ptr_t centroids, int64_t K, int64_t iters,
+                       double tol, ptr_t labels, ptr_t history) {
+  require(N >= 0 && d >= 1 && K >= 1 && iters >= 0 && tol >= 0 && centroids && history &&
+              (N == 0 || (points && labels)),
+          "kmeans_lloyd", "expected N >= 0, d >= 1, K >= 1, iters >= 0, tol >= 0 and non-null buffers");
+  Faults faults;
+  int64_t iterations = 0;
+  {
+    py::gil_scoped_release nogil;
+    cpu::kmeans_lloyd<T>(as<const T>(points), as<const T>(weights), N, K, d, as<T>(centroids), iters, tol,
+                         as<int64_t>(labels), as<double>(history), &iterations, faults);
+  }
+  raise_faults(faults);
+  return iterations;
+}
+
+template <typename T>
 void anderson_push_t(ptr_t u, ptr_t tu, ptr_t R_hist, ptr_t TU_hist, int64_t D, int64_t slot, ptr_t slots, int64_t k,
                      ptr_t dots) {
   require(D >= 0 && slot >= 0 && k >= 1 && u && tu && R_hist && TU_hist && slots && dots, "anderson_push",
@@ -300,6 +317,12 @@ PYBIND11_MODULE(_core, m) {
                             ptr_t centroids, int64_t K, ptr_t weight_sum) {
     PFL_DISPATCH(f64, kmeans_update_t, points, N, d, labels, weights, centroids, K, weight_sum);
   });
+  m.def("kmeans_lloyd",
+        [](bool f64, ptr_t points, int64_t N, int64_t d, ptr_t weights, ptr_t centroids, int64_t K, int64_t iters,
+           double tol, ptr_t labels, ptr_t history) -> int64_t {
+          return PFL_DISPATCH(f64, kmeans_lloyd_t, points, N, d, weights, centroids, K, iters, tol, labels, history);
+        },
+        "Lloyd's k-means from centroids [K, d] (in place): labels [N], history [iters + 1]; returns the iterations");
   m.def("anderson_push", [](bool f64, ptr_t u, ptr_t tu, ptr_t R_hist, ptr_t TU_hist, int64_t D, int64_t slot,
                             ptr_t slots, int64_t k, ptr_t dots) {
     PFL_DISPATCH(f64, anderson_push_t, u, tu, R_hist, TU_hist, D, slot, slots, k, dots);

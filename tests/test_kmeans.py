@@ -123,3 +123,117 @@ def test_kmeans_plus_plus_is_seeded_and_native_equals_reference_on_float32():
         c = ops.kmeans(pts, 4, seed=7)
     assert torch.equal(a.labels, c.labels)
     torch.testing.assert_close(a.centroids, c.centroids, **TOL[torch.float32])
+
+
+# ---- the native Lloyd loop (one kernel call) against the reference's composed loop -------------
+# Shapes: d below one vector (3), between (17), above with a tail (61, 610 % 8 = 2); K in one
+# vector of screens (5), two (13: float32 on AVX2 pads to 16), a remainder block (37), one (1).
+
+def _lloyd_data(N, K, d, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    centers = 0.5 * torch.randn(K, d, generator=g, dtype=dtype)
+    pts = centers[torch.randint(0, K, (N,), generator=g)] + torch.randn(N, d, generator=g, dtype=dtype)
+    return pts, pts[torch.randperm(N, generator=g)[:K]].clone(), g
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N,K,d", [(1, 1, 1), (40, 5, 3), (300, 13, 17), (500, 37, 61), (1500, 4, 610)])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_lloyd_matches_reference(N, K, d, dtype, weighted):
+    pts, init, g = _lloyd_data(N, K, d, dtype, N + K + d)
+    w = torch.rand(N, generator=g, dtype=dtype) if weighted else None
+    got = ops.kmeans(pts, init=init, iters=6, tol=0.0, weights=w)
+    ref = ops.kmeans_ref(pts, init=init, iters=6, tol=0.0, weights=w)
+    assert torch.equal(got.labels, ref.labels)
+    assert got.iterations == ref.iterations and len(got.history) == got.iterations + 1
+    torch.testing.assert_close(got.centroids, ref.centroids, **TOL[dtype])
+    rel = 1e-5 if dtype is torch.float32 else 1e-12  # sums in another order (chunks)
+    np.testing.assert_allclose(got.history, ref.history, rtol=rel, atol=1e-300)
+    # the result's inertia is the final labels' weighted distances
+    full = ((pts.double() - got.centroids.double()[got.labels]) ** 2).sum(1)
+    want = float(full.sum() if w is None else (full * w.double()).sum())
+    assert got.inertia == pytest.approx(want, rel=1e-4 if dtype is torch.float32 else 1e-10)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lloyd_stopping_rule_matches_reference(dtype):
+    """tol > 0: the shift is compared with tol × the total variance (computed natively without
+    a float64 copy of the points); both stop at the same iteration."""
+    pts, init, _ = _lloyd_data(2000, 6, 9, dtype, 5)
+    for tol in (1e-2, 1e-4):
+        got = ops.kmeans(pts, init=init, iters=100, tol=tol)
+        ref = ops.kmeans_ref(pts, init=init, iters=100, tol=tol)
+        assert got.iterations == ref.iterations < 100
+        assert torch.equal(got.labels, ref.labels)
+
+
+@pytest.mark.parametrize("d", [3, 40])
+def test_lloyd_ties_and_empty_clusters_on_exact_data(d):
+    """Small integers: every distance is exact, so ties must go to the lowest index as in the
+    reference; a duplicated centroid stays empty (its twin takes the points) and keeps its
+    value, and so does a far-away one."""
+    g = torch.Generator().manual_seed(d)
+    pts = torch.randint(-3, 4, (257, d), generator=g).to(torch.float32)
+    init = pts[:4].clone()
+    init = torch.cat([init, init[1:2], torch.full((1, d), 100.0)])  # 4 = copy of 1; 5 far away
+    first = ops.kmeans(pts, init=init, iters=0)  # the first assignment only
+    assert torch.equal(first.labels, ops.kmeans_ref(pts, init=init, iters=0).labels)
+    assert not bool((first.labels == 4).any()) and not bool((first.labels == 5).any())
+    got = ops.kmeans(pts, init=init, iters=1)  # so the update leaves clusters 4 and 5 as they were
+    ref = ops.kmeans_ref(pts, init=init, iters=1)
+    assert torch.equal(got.labels, ref.labels)
+    assert torch.equal(got.centroids[4:], init[4:])
+    torch.testing.assert_close(got.centroids, ref.centroids, rtol=0, atol=1e-6)
+    labels, sq = ops.kmeans_assign(pts, init)
+    rl, rsq = ops.kmeans_assign_ref(pts, init)
+    assert torch.equal(labels, rl) and torch.equal(sq, rsq)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lloyd_is_bitwise_the_same_on_one_and_two_threads(dtype):
+    """Large enough for the parallel regions and several chunks (N > 1024): the chunks' sums are
+    added in chunk order, never in thread order."""
+    import pflcore
+
+    pts, init, g = _lloyd_data(3000, 7, 33, dtype, 11)
+    w = torch.rand(3000, generator=g, dtype=dtype)
+    before = torch.get_num_threads()
+    runs = []
+    try:
+        for threads in (1, 2):
+            pflcore.set_num_threads(threads)
+            res = ops.kmeans(pts, init=init, iters=5, tol=0.0, weights=w)
+            runs.append((res.centroids, res.labels, res.history, ops.kmeans_assign(pts, res.centroids)))
+    finally:
+        pflcore.set_num_threads(before)
+    (c1, l1, h1, a1), (c2, l2, h2, a2) = runs
+    assert torch.equal(c1, c2) and torch.equal(l1, l2) and h1 == h2
+    assert torch.equal(a1[0], a2[0]) and torch.equal(a1[1], a2[1])
+
+
+def test_lloyd_reports_non_finite_points_and_weights_like_the_reference():
+    from pflcore.errors import NonFiniteError
+
+    pts = torch.randn(50, 4, dtype=torch.float64)
+    pts[17, 2] = float("nan")
+    for fn in (ops.kmeans, ops.kmeans_ref):
+        with pytest.raises(NonFiniteError, match=r"points: row 17 holds a NaN or infinite value"):
+            fn(pts, init=torch.zeros(2, 4, dtype=torch.float64), iters=3)
+    bad = torch.zeros(2, 4, dtype=torch.float64)
+    bad[1, 0] = float("inf")
+    for fn in (ops.kmeans, ops.kmeans_ref):
+        with pytest.raises(NonFiniteError, match=r"centroids: row 1 holds a NaN or infinite value"):
+            fn(torch.randn(5, 4, dtype=torch.float64), init=bad, iters=3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_assign_huge_values_fall_back_to_direct_distances(dtype):
+    """Where ‖x‖‖c‖ could overflow the screen in this dtype, every centroid is computed directly:
+    labels and distances stay the reference's."""
+    big = 1e18 if dtype is torch.float32 else 1e150
+    pts = torch.tensor([[big, 0.0, 1.0], [-big, 1.0, 0.0], [0.0, 0.0, 0.0]], dtype=dtype)
+    cen = torch.tensor([[0.9 * big, 0.0, 0.0], [0.0, 0.0, 0.0], [-big, 0.0, 0.0]], dtype=dtype)
+    labels, sq = ops.kmeans_assign(pts, cen)
+    rl, rsq = ops.kmeans_assign_ref(pts, cen)
+    assert torch.equal(labels, rl)
+    torch.testing.assert_close(sq, rsq, rtol=1e-5, atol=0)

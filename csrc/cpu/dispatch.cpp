@@ -194,6 +194,12 @@ void kmeans_update(const T* points, const int64_t* labels, const T* weights, int
 }
 
 template <typename T>
+void kmeans_lloyd(const T* points, const T* weights, int64_t N, int64_t K, int64_t d, T* centroids, int64_t iters,
+                  double tol, int64_t* labels, double* history, int64_t* iterations, Faults& faults) {
+  active().kmeans_lloyd.of<T>()(points, weights, N, K, d, centroids, iters, tol, labels, history, iterations, faults);
+}
+
+template <typename T>
 void anderson_push(const T* u, const T* tu, T* R_hist, T* TU_hist, int64_t D, int64_t slot, const int64_t* slots,
                    int64_t k, double* dots) {
   active().anderson_push.of<T>()(u, tu, R_hist, TU_hist, D, slot, slots, k, dots);
@@ -252,6 +258,10 @@ template void kmeans_update<float>(const float*, const int64_t*, const float*, i
                                    double*, Faults&);
 template void kmeans_update<double>(const double*, const int64_t*, const double*, int64_t, int64_t, int64_t, double*,
                                     double*, Faults&);
+template void kmeans_lloyd<float>(const float*, const float*, int64_t, int64_t, int64_t, float*, int64_t, double,
+                                  int64_t*, double*, int64_t*, Faults&);
+template void kmeans_lloyd<double>(const double*, const double*, int64_t, int64_t, int64_t, double*, int64_t, double,
+                                   int64_t*, double*, int64_t*, Faults&);
 template void anderson_push<float>(const float*, const float*, float*, float*, int64_t, int64_t, const int64_t*,
                                    int64_t, double*);
 template void anderson_push<double>(const double*, const double*, double*, double*, int64_t, int64_t,

@@ -36,6 +36,9 @@ using KmeansAssignFn = void (*)(const T*, const T*, int64_t, int64_t, int64_t, i
 template <typename T>
 using KmeansUpdateFn = void (*)(const T*, const int64_t*, const T*, int64_t, int64_t, int64_t, T*, double*, Faults&);
 template <typename T>
+using KmeansLloydFn = void (*)(const T*, const T*, int64_t, int64_t, int64_t, T*, int64_t, double, int64_t*, double*,
+                               int64_t*, Faults&);
+template <typename T>
 using AndersonPushFn = void (*)(const T*, const T*, T*, T*, int64_t, int64_t, const int64_t*, int64_t, double*);
 template <typename T>
 using AndersonMixFn = void (*)(const T*, int64_t, const int64_t*, const double*, int64_t, T*);
@@ -55,6 +58,7 @@ struct KernelTable {
   Typed<EvaluateFn> evaluate;
   Typed<KmeansAssignFn> kmeans_assign;
   Typed<KmeansUpdateFn> kmeans_update;
+  Typed<KmeansLloydFn> kmeans_lloyd;
   Typed<AndersonPushFn> anderson_push;
   Typed<AndersonMixFn> anderson_mix;
   Typed<GramFn> gram;

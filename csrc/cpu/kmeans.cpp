@@ -1,140 +1,59 @@
-// k-means on the CPU (DESIGN.md §4): the assignment pass and the Lloyd update.
+// k-means on the CPU (DESIGN.md §4): the assignment pass, the Lloyd update, and the whole
+// Lloyd loop in one call (one pass over the points per iteration: assignment, the clusters'
+// sums and counts, the inertia and the label changes together).
 //
-// Assignment in two stages, exact in the end:
-//  1. a screen with ‖x‖² + ‖c‖² − 2x·c, one FMA per point-centroid-feature (the dot products
-//     in 2-point × 4-centroid register blocks), and a rigorous bound E_k on its rounding error;
-//  2. the direct Σ(x − c)² for each centroid that the screen cannot rule out (usually one),
-//     all through the same code path, ties to the lowest index.
-// So labels and distances are those of the direct computation: a point equidistant from two
-// identical centroids sees exactly equal distances, as in the torch reference.
+// The assignment (kmeans_screen.h) screens with ‖c‖² − 2x·c in register-blocked tiles, then
+// computes the direct Σ(x − c)² of the candidates the screen cannot rule out, so labels and
+// distances are those of the direct computation: a point equidistant from two identical
+// centroids sees exactly equal distances, as in the torch reference.
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
 
+#include "kmeans_screen.h"
 #include "pflcore/ops_cpu.h"
 
 namespace pflcore::cpu {
 PFLCORE_LEVEL_BEGIN
 namespace {
 
-// Dot products of 2 points with 4 centroids, sharing every load.
+using namespace kmeans_detail;
+
 template <typename T>
-inline void dot2x4(const T* __restrict__ x0, const T* __restrict__ x1, const T* const* c, int64_t d,
-                   T out[2][4]) {
-  const T *__restrict__ c0 = c[0], *__restrict__ c1 = c[1], *__restrict__ c2 = c[2],
-          *__restrict__ c3 = c[3];
-  T a00 = T(0), a01 = T(0), a02 = T(0), a03 = T(0), a10 = T(0), a11 = T(0), a12 = T(0), a13 = T(0);
-#pragma omp simd reduction(+ : a00, a01, a02, a03, a10, a11, a12, a13)
-  for (int64_t j = 0; j < d; ++j) {
-    a00 += x0[j] * c0[j];
-    a01 += x0[j] * c1[j];
-    a02 += x0[j] * c2[j];
-    a03 += x0[j] * c3[j];
-    a10 += x1[j] * c0[j];
-    a11 += x1[j] * c1[j];
-    a12 += x1[j] * c2[j];
-    a13 += x1[j] * c3[j];
-  }
-  out[0][0] = a00, out[0][1] = a01, out[0][2] = a02, out[0][3] = a03;
-  out[1][0] = a10, out[1][1] = a11, out[1][2] = a12, out[1][3] = a13;
+bool centroids_finite(const T* centroids, int64_t K, int64_t d, Faults& faults, const char* name = "centroids") {
+  for (int64_t k = 0; k < K; ++k)
+    if (!all_finite(centroids + k * d, d)) {
+      faults.add(-1, FaultKind::NonFinite, "%s: row %lld holds a NaN or infinite value", name, ll(k));
+      return false;
+    }
+  return true;
 }
 
-// The direct squared distance; every exact distance goes through this one function.
-template <typename T>
-inline T sqdist_direct(const T* __restrict__ x, const T* __restrict__ c, int64_t d) {
-  T acc = T(0);
-#pragma omp simd reduction(+ : acc)
-  for (int64_t j = 0; j < d; ++j) {
-    const T e = x[j] - c[j];
-    acc += e * e;
-  }
-  return acc;
-}
-
-inline double norm2(const float* v, int64_t d) {
-  double acc = 0.0;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t j = 0; j < d; ++j) acc += double(v[j]) * double(v[j]);
-  return acc;
-}
-inline double norm2(const double* v, int64_t d) {
-  double acc = 0.0;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t j = 0; j < d; ++j) acc += v[j] * v[j];
-  return acc;
-}
+// Points per block of the assignment's parallel loop: several tiles, few enough blocks for a
+// small call.
+constexpr int64_t kAssignBlock = 240;  // a multiple of every tile height (6, 8, 12)
 
 }  // namespace
 
 template <typename T>
 void kmeans_assign(const T* points, const T* centroids, int64_t N, int64_t K, int64_t d,
                    int64_t* labels, T* sqdist, Faults& faults) {
-  for (int64_t k = 0; k < K; ++k)
-    if (!all_finite(centroids + k * d, d)) {
-      faults.add(-1, FaultKind::NonFinite, "centroids: row %lld holds a NaN or infinite value", ll(k));
-      return;
-    }
-  // |fl(x·c) − x·c| ≤ γ_d Σ|x_j c_j| ≤ γ_d ‖x‖‖c‖ with γ_d ≈ d·u for any summation order, and
-  // the float64 norms are exact to far less; 10% and 4 extra roundings of slack on top.
-  const double u = std::numeric_limits<T>::epsilon() / 2;
-  const double gamma = 1.1 * double(d + 4) * u;
-  std::vector<double> cnorm2(K), cnorm(K);
-  for (int64_t k = 0; k < K; ++k) {
-    cnorm2[k] = norm2(centroids + k * d, d);
-    cnorm[k] = std::sqrt(cnorm2[k]);
-  }
+  if (!centroids_finite(centroids, K, d, faults)) return;
+  Packed<T> pk;
+  pk.pack(centroids, K, d);
   // A small call (a few points: a round's clients) is not worth waking the thread team.
-#pragma omp parallel if (N * K * d > (1 << 16))
+#pragma omp parallel if (N * K * d > (1 << 18))
   {
-    std::vector<double> screen(2 * K);
-#pragma omp for schedule(static)
-    for (int64_t i0 = 0; i0 < N; i0 += 2) {
-      const int np = i0 + 1 < N ? 2 : 1;
-      const T* x[2] = {points + i0 * d, points + (i0 + np - 1) * d};  // a lone point pairs with itself
-      double xnorm2[2], xnorm[2];
-      bool finite = true;
-      for (int q = 0; q < 2; ++q) {
-        xnorm2[q] = norm2(x[q], d);
-        xnorm[q] = std::sqrt(xnorm2[q]);
-        // A NaN/inf coordinate makes the norm non-finite (so does a huge finite one: confirm)
-        if (!std::isfinite(xnorm2[q]) && q < np && !all_finite(x[q], d)) {
-          faults.add(i0 + q, FaultKind::NonFinite, "points: row %lld holds a NaN or infinite value", ll(i0 + q));
-          finite = false;
-        }
-      }
-      if (!finite) continue;
-      for (int64_t k = 0; k < K; k += 4) {
-        const T* c[4];
-        for (int v = 0; v < 4; ++v) c[v] = centroids + std::min(k + v, K - 1) * d;
-        T dots[2][4];
-        dot2x4(x[0], x[1], c, d, dots);
-        for (int q = 0; q < 2; ++q)
-          for (int v = 0; v < 4 && k + v < K; ++v)
-            screen[q * K + k + v] = xnorm2[q] + cnorm2[k + v] - 2.0 * double(dots[q][v]);
-      }
-      for (int q = 0; q < np; ++q) {
-        const double* s = screen.data() + q * K;
-        auto bound = [&](int64_t k) { return gamma * (xnorm[q] + cnorm[k]) * (xnorm[q] + cnorm[k]); };
-        int64_t khat = 0;
-        for (int64_t k = 1; k < K; ++k)
-          if (s[k] < s[khat]) khat = k;
-        // k can be the true nearest only if s[k] − E_k ≤ true(k) ≤ true(k̂) ≤ s[k̂] + E_k̂.
-        const double limit = s[khat] + bound(khat);
-        T best = std::numeric_limits<T>::infinity();
-        int64_t arg = khat;
-        for (int64_t k = 0; k < K; ++k) {
-          if (s[k] - bound(k) > limit) continue;
-          const T dist = sqdist_direct(x[q], centroids + k * d, d);
-          if (dist < best) {
-            best = dist;
-            arg = k;
-          }
-        }
-        labels[i0 + q] = arg;
-        sqdist[i0 + q] = best;
-      }
-    }
+    std::vector<T> dots;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t b = 0; b < N; b += kAssignBlock)
+      assign_range(points, b, std::min(N, b + kAssignBlock), pk, nullptr, false, dots, faults,
+                   [d](int64_t, int64_t, const T* x, const T* c) { return sqdist_direct(x, c, d); },
+                   [&](int64_t i, int64_t k, T dist, bool) {
+                     labels[i] = k;
+                     sqdist[i] = dist;
+                   });
   }
 }
 
@@ -181,6 +100,169 @@ void kmeans_update(const T* points, const int64_t* labels, const T* weights, int
   }
 }
 
+// ---- the Lloyd loop ------------------------------------------------------------------------------
+namespace {
+
+// The points are cut into chunks that depend only on N, K and d (never on the thread count);
+// each chunk sums its points into its own float64 buffer, and the buffers are added in chunk
+// order: the sums, hence the centroids, are bitwise the same on any number of threads.
+struct Chunking {
+  int64_t size = 1, count = 0;
+  Chunking(int64_t N, int64_t K, int64_t d) {
+    size = std::max<int64_t>(1024, (N + 63) / 64);
+    // the chunks' buffers stay within ~32 MiB (they are added up once per iteration)
+    while (size < N && ((N + size - 1) / size) * (K * d + K) * int64_t(sizeof(double)) > (int64_t(32) << 20))
+      size *= 2;
+    count = (N + size - 1) / size;
+  }
+};
+
+// Σ_i ‖x_i − mean‖² / N (the unweighted total variance of the points: the scale of the stopping
+// rule), float64, in chunk order.
+template <typename T>
+double total_variance(const T* points, int64_t N, int64_t d, const Chunking& ch, bool parallel) {
+  std::vector<double> part(size_t(ch.count * d)), mean(size_t(d), 0.0), ss(size_t(ch.count), 0.0);
+#pragma omp parallel if (parallel)
+  {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t c = 0; c < ch.count; ++c) {
+      double* acc = part.data() + c * d;
+      std::fill(acc, acc + d, 0.0);
+      for (int64_t i = c * ch.size; i < std::min(N, (c + 1) * ch.size); ++i)
+#pragma omp simd
+        for (int64_t j = 0; j < d; ++j) acc[j] += double(points[i * d + j]);
+    }
+#pragma omp single
+    for (int64_t c = 0; c < ch.count; ++c)
+      for (int64_t j = 0; j < d; ++j) mean[size_t(j)] += part[size_t(c * d + j)];
+#pragma omp single
+    for (int64_t j = 0; j < d; ++j) mean[size_t(j)] /= double(N);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t c = 0; c < ch.count; ++c) {
+      double acc = 0.0;
+      for (int64_t i = c * ch.size; i < std::min(N, (c + 1) * ch.size); ++i)
+#pragma omp simd reduction(+ : acc)
+        for (int64_t j = 0; j < d; ++j) {
+          const double e = double(points[i * d + j]) - mean[size_t(j)];
+          acc += e * e;
+        }
+      ss[size_t(c)] = acc;
+    }
+  }
+  double total = 0.0;
+  for (int64_t c = 0; c < ch.count; ++c) total += ss[size_t(c)];
+  return total / double(N);
+}
+
+}  // namespace
+
+template <typename T>
+void kmeans_lloyd(const T* points, const T* weights, int64_t N, int64_t K, int64_t d, T* centroids, int64_t iters,
+                  double tol, int64_t* labels, double* history, int64_t* iterations, Faults& faults) {
+  *iterations = 0;
+  if (!centroids_finite(centroids, K, d, faults)) return;
+  if (weights)
+    for (int64_t i = 0; i < N; ++i)
+      if (!(std::isfinite(weights[i]) && weights[i] >= T(0))) {
+        faults.add(i, std::isfinite(weights[i]) ? FaultKind::Value : FaultKind::NonFinite,
+                   "weights: expected finite weights >= 0, got weights[%lld] = %g", ll(i), double(weights[i]));
+        return;
+      }
+  const Chunking ch(N, K, d);
+  const bool parallel = N * K * d > (1 << 18);
+  const int64_t stride = K * d + K;  // a chunk's buffer: sums [K, d], then weights [K]
+  std::vector<double> part(static_cast<size_t>(ch.count * stride)), total(static_cast<size_t>(stride));
+  std::vector<double> inertia_of(static_cast<size_t>(ch.count)), xnorm(static_cast<size_t>(N));
+  std::vector<int64_t> changed_of(size_t(ch.count));
+  const double scale = tol > 0 && N > 1 ? total_variance(points, N, d, ch, parallel) : 0.0;
+  Packed<T> pk;
+
+  // One pass: labels (counting the changes) and inertia for the current centroids, and, when
+  // `sums`, each cluster's weighted float64 sum and weight, into `total`.
+  auto pass = [&](bool first, bool sums) {
+    pk.pack(centroids, K, d);
+#pragma omp parallel if (parallel)
+    {
+      std::vector<T> dots;
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t c = 0; c < ch.count; ++c) {
+        double* acc = part.data() + c * stride;
+        double* wacc = acc + K * d;
+        if (sums) std::fill(acc, acc + stride, 0.0);
+        double inertia = 0.0;
+        int64_t changed = 0;
+        auto single = [&](int64_t i, int64_t k, const T* x, const T* cen) {
+          // unweighted sums: the distance and the sum in one pass over x
+          return sums && !weights ? sqdist_direct_and_add(x, cen, d, acc + k * d) : sqdist_direct(x, cen, d);
+        };
+        assign_range(points, c * ch.size, std::min(N, (c + 1) * ch.size), pk, xnorm.data(), !first, dots, faults,
+                     single, [&](int64_t i, int64_t k, T dist, bool via_single) {
+                       const double w = weights ? double(weights[i]) : 1.0;
+                       changed += labels[i] != k;
+                       labels[i] = k;
+                       inertia += w * double(dist);
+                       if (!sums) return;
+                       wacc[k] += w;
+                       if (via_single && !weights) return;  // summed by `single`
+                       const T* x = points + i * d;
+                       double* a = acc + k * d;
+                       if (weights) {
+#pragma omp simd
+                         for (int64_t j = 0; j < d; ++j) a[j] += w * double(x[j]);
+                       } else {
+#pragma omp simd
+                         for (int64_t j = 0; j < d; ++j) a[j] += double(x[j]);
+                       }
+                     });
+        inertia_of[size_t(c)] = inertia;
+        changed_of[size_t(c)] = changed;
+      }
+      if (sums) {
+        // the chunks' buffers added in chunk order, each column by one thread
+#pragma omp for schedule(static)
+        for (int64_t q = 0; q < stride; ++q) {
+          double t = 0.0;
+          for (int64_t c = 0; c < ch.count; ++c) t += part[size_t(c * stride + q)];
+          total[size_t(q)] = t;
+        }
+      }
+    }
+    double inertia = 0.0;
+    int64_t changed = 0;
+    for (int64_t c = 0; c < ch.count; ++c) inertia += inertia_of[size_t(c)], changed += changed_of[size_t(c)];
+    return std::make_pair(inertia, changed);
+  };
+
+  if (N == 0) {  // no points: every cluster is empty and keeps its centroid
+    history[0] = 0.0;
+    return;
+  }
+  std::fill(labels, labels + N, int64_t(-1));
+  history[0] = pass(true, iters > 0).first;
+  if (faults.any()) return;
+  for (int64_t it = 1; it <= iters; ++it) {
+    // centroids ← the clusters' weighted means (an empty cluster keeps its centroid); the squared
+    // shift as the reference measures it (the difference in T, squared in float64)
+    double shift = 0.0;
+    for (int64_t k = 0; k < K; ++k) {
+      const double w = total[size_t(K * d + k)];
+      if (!(w > 0.0)) continue;
+      const double inv = 1.0 / w;
+      T* c = centroids + k * d;
+      for (int64_t j = 0; j < d; ++j) {
+        const T next = T(total[size_t(k * d + j)] * inv);
+        const double e = double(T(next - c[j]));
+        shift += e * e;
+        c[j] = next;
+      }
+    }
+    const auto [inertia, changed] = pass(false, it < iters);
+    history[it] = inertia;
+    *iterations = it;
+    if (changed == 0 || shift <= tol * scale) break;
+  }
+}
+
 template void kmeans_assign<float>(const float*, const float*, int64_t, int64_t, int64_t, int64_t*, float*,
                                    Faults&);
 template void kmeans_assign<double>(const double*, const double*, int64_t, int64_t, int64_t, int64_t*, double*,
@@ -189,6 +271,11 @@ template void kmeans_update<float>(const float*, const int64_t*, const float*, i
                                    double*, Faults&);
 template void kmeans_update<double>(const double*, const int64_t*, const double*, int64_t, int64_t, int64_t,
                                     double*, double*, Faults&);
+
+template void kmeans_lloyd<float>(const float*, const float*, int64_t, int64_t, int64_t, float*, int64_t, double,
+                                  int64_t*, double*, int64_t*, Faults&);
+template void kmeans_lloyd<double>(const double*, const double*, int64_t, int64_t, int64_t, double*, int64_t, double,
+                                   int64_t*, double*, int64_t*, Faults&);
 
 PFLCORE_LEVEL_END
 }  // namespace pflcore::cpu

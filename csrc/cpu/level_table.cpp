@@ -13,6 +13,7 @@ const KernelTable& level_table() {
     t.evaluate = {evaluate<float>, evaluate<double>};
     t.kmeans_assign = {kmeans_assign<float>, kmeans_assign<double>};
     t.kmeans_update = {kmeans_update<float>, kmeans_update<double>};
+    t.kmeans_lloyd = {kmeans_lloyd<float>, kmeans_lloyd<double>};
     t.anderson_push = {anderson_push<float>, anderson_push<double>};
     t.anderson_mix = {anderson_mix<float>, anderson_mix<double>};
     t.gram = {gram<float>, gram<double>};

@@ -17,6 +17,9 @@ The signatures, for R model rows of a model with d parameters on a ClientData ``
     sample_batches(data, clients [R] | None, steps, batch_size, seed, counter) -> int32 [R, steps, B]
     kmeans_assign(points [N, d], centroids [K, d]) -> (labels int64 [N], sqdist [N])
     kmeans_update(points, labels int64 [N], weights [N] | None, centroids [K, d]) -> weight sums f64 [K]  (in place)
+    kmeans_lloyd(points, centroids [K, d], weights | None, iters, tol) -> (labels int64 [N], history: list of
+        float, iterations)  (centroids in place; backends without one run backends/_lloyd.py on their own
+        kmeans_assign and kmeans_update)
     anderson_push(u [D], tu [D], R_hist [H, D], TU_hist [H, D], slot, slots: list) -> dots f64 [k] (CPU)
     anderson_mix(TU_hist [H, D], slots: list, pi f64 [k] (CPU)) -> [D]
     gram(vecs [k, D]) -> f64 [k, k] (CPU)

@@ -122,6 +122,16 @@ class NativeAdapter(Adapter):
                                  wsum.data_ptr())
         return wsum
 
+    def kmeans_lloyd(self, points, centroids, weights, iters: int, tol: float):
+        """The whole Lloyd loop in one kernel call; centroids in place."""
+        N, d = points.shape
+        labels = torch.empty(N, dtype=torch.int64)
+        history = torch.empty(iters + 1, dtype=_F64)
+        it = self._core.kmeans_lloyd(points.dtype is _F64, points.data_ptr(), N, d, _ptr(weights),
+                                     centroids.data_ptr(), centroids.shape[0], iters, float(tol), labels.data_ptr(),
+                                     history.data_ptr())
+        return labels, history[:it + 1].tolist(), it
+
     def anderson_push(self, u, tu, R_hist, TU_hist, slot: int, slots: List[int]):
         order = torch.tensor(slots, dtype=torch.int64)
         dots = torch.empty(len(slots), dtype=_F64)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from pflcore.backends import _values
+from pflcore.backends._lloyd import lloyd_loop
 from pflcore.backends.base import Adapter
 from pflcore.models.glm import GLM
 from pflcore.models.nets import TorchNet
@@ -351,6 +352,10 @@ class ReferenceAdapter(Adapter):
         keep = wsum > 0
         centroids[keep] = (sums[keep] / wsum[keep, None]).to(centroids.dtype)
         return wsum
+
+    def kmeans_lloyd(self, points, centroids, weights, iters: int, tol: float):
+        """The Lloyd loop of the reference's assignment and update (backends/_lloyd.py)."""
+        return lloyd_loop(points, centroids, weights, iters, tol, self.kmeans_assign, self.kmeans_update)
 
     def anderson_push(self, u, tu, R_hist, TU_hist, slot: int, slots: List[int]):
         R_hist[slot] = tu - u

@@ -5,11 +5,12 @@ over the points; distances are direct sums of squared differences and ties go to
 index. ``kmeans(points, k, ...)``: Lloyd iterations with k-means++ seeding (or given
 centroids: a warm start), optional sample weights; an empty cluster keeps its centroid.
 
-Sharded points (``comm``): every rank passes its own rows and the same arguments; the
-communicator sums what the loop needs over the ranks (cluster sums, inertia, label changes)
-and k-means++ draws each seed on the rank that holds it and broadcasts it. With the
-one-process communicator (the default) every collective is the identity: one Lloyd loop serves
-both, and a sharded run gives the one-process centroids to float rounding.
+One process: the backend's ``kmeans_lloyd`` runs the whole loop (the native one in one kernel
+call, one pass over the points per iteration; backends without one compose their assignment and
+update in ``backends/_lloyd.py``). Sharded points (``comm``): every rank passes its own rows and
+the same arguments; the composed loop runs with the communicator summing what it needs over the
+ranks (cluster sums, inertia, label changes), and k-means++ draws each seed on the rank that
+holds it and broadcasts it; a sharded run gives the one-process centroids to float rounding.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from pflcore import backend
 from pflcore._arrays import from_tensor, to_tensor
 from pflcore._checks import MAX_COUNT, check_float, check_positive_int, check_real, check_shape
 from pflcore._comm import Comm
+from pflcore.backends._lloyd import lloyd_loop
 from pflcore.errors import NonFiniteError
 from pflcore.ops import _compile
 from pflcore.ops._args import IN_ALGORITHM, refuse_inside_algorithm, same_device
@@ -151,34 +153,18 @@ def _kmeans_pp(points, k, weights, seed, assign: Callable, comm: Comm) -> torch.
 
 
 def _lloyd(points, k, init, iters, tol, seed, weights, comm: Comm, assign: Callable) -> KMeans:
-    N = comm.sum(int(points.shape[0]))
     centroids = _kmeans_pp(points, k, weights, seed, assign, comm) if isinstance(init, str) else init.clone()
-    w64 = None if weights is None else weights.to(torch.float64)
-
-    def inertia_of(sq):
-        sq = sq.to(torch.float64)
-        return comm.sum(float(sq.sum() if w64 is None else (sq * w64).sum()))
-
-    labels, sq = assign(points, centroids)
-    history = [inertia_of(sq)]
-    # Stop when the centroids move less than tol times the data's total per-feature variance
-    # (two passes over every rank's points).
-    scale = 0.0
-    if N > 1:
-        p64 = points.to(torch.float64)
-        mean = comm.sum(p64.sum(0)) / N
-        scale = comm.sum(float(((p64 - mean) ** 2).sum())) / N
-    it = 0
-    for it in range(1, iters + 1):
-        previous = centroids.clone()
-        cluster_means(points, labels, weights, centroids, comm)
-        new_labels, sq = assign(points, centroids)
-        history.append(inertia_of(sq))
-        shift = float(((centroids - previous).to(torch.float64) ** 2).sum())
-        changed = comm.sum(int((new_labels != labels).sum()))
-        labels = new_labels
-        if changed == 0 or shift <= tol * scale:
-            break
+    adapter = backend.select("kmeans_assign", None, points)
+    if comm.world == 1 and "kmeans_lloyd" in adapter.ops():
+        # one process on a backend with a whole loop (the native one: one kernel call, one pass
+        # over the points per iteration)
+        labels, history, it = adapter.kmeans_lloyd(points, centroids, weights, iters, tol)
+    else:
+        # the backend's assignment and update (CUDA, Triton); sharded: the cluster sums, inertia
+        # and label changes summed over the ranks
+        labels, history, it = lloyd_loop(
+            points, centroids, weights, iters, tol, assign,
+            lambda p, lab, w, c: cluster_means(p, lab, w, c, comm), comm)
     return KMeans(centroids, labels, history[-1], it, history)
 
 

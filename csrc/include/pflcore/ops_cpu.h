@@ -78,6 +78,18 @@ void kmeans_update(const T* points /*[N, d]*/, const int64_t* labels /*[N]*/,
                    const T* weights /*[N] or null*/, int64_t N, int64_t K, int64_t d,
                    T* centroids /*[K, d]*/, double* weight_sum /*[K]*/, Faults& faults);
 
+// Lloyd's k-means from the given centroids, one pass over the points per iteration (assignment
+// as kmeans_assign, with each cluster's float64 sum and weight in the same pass): after the first
+// assignment, up to `iters` times: centroids ← the clusters' weighted means (an empty cluster
+// keeps its centroid), assign again; stop when no label changes or when the squared centroid shift
+// is at most tol × the points' total variance. history[t] = Σ_i w_i·sqdist_i after assignment t
+// (history[0..*iterations]); labels are the last assignment's. Bitwise the same on any thread
+// count. Checks the centroids, the weights, then the points (as it reads them).
+template <typename T>
+void kmeans_lloyd(const T* points /*[N, d]*/, const T* weights /*[N] or null*/, int64_t N, int64_t K, int64_t d,
+                  T* centroids /*[K, d] in place*/, int64_t iters, double tol, int64_t* labels /*[N]*/,
+                  double* history /*[iters + 1]*/, int64_t* iterations, Faults& faults);
+
 // Stores r = tu − u in R_hist[slot] and tu in TU_hist[slot], and returns in dots[j] the
 // inner products <R_hist[slots[j]], r> (float64, fixed block order: deterministic).
 template <typename T>

@@ -1,0 +1,451 @@
+// The k-means assignment of a range of points, shared by kmeans_assign and the Lloyd loop
+// (kmeans.cpp; included there only, inside the level's namespace, so each level compiles its
+// own copy with its own vector width).
+//
+// Two stages, exact in the end:
+//  1. a screen with ‖c‖² − 2x·c (‖x‖² is the same for every centroid of a point), the dot products
+//     of a tile of P points with every centroid in a register-blocked micro-kernel: the
+//     centroids packed transposed ([d][Kpad], Kpad a multiple of the vector width), one vector
+//     of centroids times one broadcast coordinate of a point per FMA, P × NV accumulators held
+//     in registers (the GEMM micro-kernel pattern);
+//  2. the direct Σ(x − c)² (sqdist_direct, the one function through which every returned
+//     distance goes) for each centroid the screen cannot rule out: usually one. The bound is
+//     rigorous for both the screen's rounding and the direct sums', so the label is the first
+//     minimum of the direct distances over all K: that of the direct computation, ties to the
+//     lowest index, as in the torch reference.
+#pragma once
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "pflcore/checks.h"
+
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
+
+namespace pflcore::cpu {
+PFLCORE_LEVEL_BEGIN
+namespace kmeans_detail {
+
+// The vector width of this level (bytes) and how many vector registers the micro-kernel may
+// fill. The avx512 level compiles the k-means sources with 512-bit vectors (CMakeLists.txt).
+#if defined(__AVX512F__)
+constexpr int kVecBytes = 64, kVecRegs = 32;
+#elif defined(__AVX__)
+constexpr int kVecBytes = 32, kVecRegs = 16;
+#else
+constexpr int kVecBytes = 16, kVecRegs = 16;  // SSE2, NEON: 16 bytes (NEON has 32 registers; 16 is safe)
+#endif
+
+template <typename T>
+struct VecOf {
+  typedef T type __attribute__((vector_size(kVecBytes)));
+};
+template <typename T>
+using Vec = typename VecOf<T>::type;
+template <typename T>
+constexpr int kLanes = kVecBytes / int(sizeof(T));
+
+// Largest centroid block (vectors) of a tile, and the points of a tile for a block of NV
+// vectors: P·NV accumulators + NV centroid vectors + 1 broadcast fit the registers, and P·NV
+// >= 8 keeps two FMA pipes of latency 4 busy.
+constexpr int kMaxNV = kVecRegs >= 32 ? 4 : 2;
+// The single-candidate test looks at up to this many vectors of screens (K up to 4 vectors).
+constexpr int kMaxCandidateWords = 4;
+constexpr int points_for(int nv) {
+  return kVecRegs >= 32 ? (nv <= 2 ? 12 : nv == 3 ? 8 : 6) : (nv == 1 ? 8 : 6);
+}
+
+template <typename T>
+inline Vec<T> load(const T* p) {
+  Vec<T> v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// Σ of the lanes, by halves (the upper half added onto the lower) down to 16 bytes, then in order.
+template <typename T>
+inline T hsum(const Vec<T>& v) {
+  typedef T V16 __attribute__((vector_size(16)));
+  V16 h;
+  if constexpr (kVecBytes == 64) {
+    typedef T V32 __attribute__((vector_size(32)));
+    V32 lo, hi;
+    std::memcpy(&lo, &v, 32);
+    std::memcpy(&hi, reinterpret_cast<const char*>(&v) + 32, 32);
+    lo += hi;
+    V16 a, b;
+    std::memcpy(&a, &lo, 16);
+    std::memcpy(&b, reinterpret_cast<const char*>(&lo) + 16, 16);
+    h = a + b;
+  } else if constexpr (kVecBytes == 32) {
+    V16 a, b;
+    std::memcpy(&a, &v, 16);
+    std::memcpy(&b, reinterpret_cast<const char*>(&v) + 16, 16);
+    h = a + b;
+  } else {
+    std::memcpy(&h, &v, 16);
+  }
+  T s = h[0];
+  for (int l = 1; l < int(16 / sizeof(T)); ++l) s += h[l];
+  return s;
+}
+
+template <typename T>
+inline T hmin(const Vec<T>& v) {
+  T s = v[0];
+  for (int l = 1; l < kLanes<T>; ++l) s = v[l] < s ? v[l] : s;
+  return s;
+}
+
+// Bit l set where v[l] <= lim.
+template <typename T>
+inline uint32_t lanes_at_most(const Vec<T>& v, T lim) {
+#if defined(__AVX512F__)
+  if constexpr (sizeof(T) == 4) {
+    __m512 a;
+    std::memcpy(&a, &v, sizeof a);
+    return _mm512_cmp_ps_mask(a, _mm512_set1_ps(lim), _CMP_LE_OQ);
+  } else {
+    __m512d a;
+    std::memcpy(&a, &v, sizeof a);
+    return _mm512_cmp_pd_mask(a, _mm512_set1_pd(lim), _CMP_LE_OQ);
+  }
+#elif defined(__AVX__)
+  if constexpr (sizeof(T) == 4) {
+    __m256 a;
+    std::memcpy(&a, &v, sizeof a);
+    return uint32_t(_mm256_movemask_ps(_mm256_cmp_ps(a, _mm256_set1_ps(lim), _CMP_LE_OQ)));
+  } else {
+    __m256d a;
+    std::memcpy(&a, &v, sizeof a);
+    return uint32_t(_mm256_movemask_pd(_mm256_cmp_pd(a, _mm256_set1_pd(lim), _CMP_LE_OQ)));
+  }
+#elif defined(__SSE2__)
+  if constexpr (sizeof(T) == 4) {
+    __m128 a;
+    std::memcpy(&a, &v, sizeof a);
+    return uint32_t(_mm_movemask_ps(_mm_cmple_ps(a, _mm_set1_ps(lim))));
+  } else {
+    __m128d a;
+    std::memcpy(&a, &v, sizeof a);
+    return uint32_t(_mm_movemask_pd(_mm_cmple_pd(a, _mm_set1_pd(lim))));
+  }
+#else
+  uint32_t bits = 0;
+  for (int l = 0; l < kLanes<T>; ++l) bits |= uint32_t(v[l] <= lim) << l;
+  return bits;
+#endif
+}
+
+// values + r, loaded as a vector: lanes l >= L − r are 1, the others 0 (the last r of L values).
+template <typename T>
+struct TailMask {
+  static constexpr int L = kLanes<T>;
+  static constexpr auto make = [](auto one) {
+    std::array<decltype(one), 2 * L> v{};
+    for (int i = L; i < 2 * L; ++i) v[size_t(i)] = one;
+    return v;
+  };
+  alignas(64) static inline const std::array<T, 2 * L> values_ = make(T(1));
+  alignas(64) static inline const std::array<double, 2 * L> as_double_ = make(1.0);
+  static inline const T* const values = values_.data();
+  static inline const double* const as_double = as_double_.data();
+};
+
+// The direct squared distance; every exact distance goes through this one function (two
+// vector accumulators, then the tail in order).
+template <typename T>
+inline T sqdist_direct(const T* __restrict__ x, const T* __restrict__ c, int64_t d) {
+  constexpr int L = kLanes<T>;
+  Vec<T> a0{}, a1{};
+  int64_t j = 0;
+  for (; j + 2 * L <= d; j += 2 * L) {
+    const Vec<T> e0 = load(x + j) - load(c + j), e1 = load(x + j + L) - load(c + j + L);
+    a0 += e0 * e0;
+    a1 += e1 * e1;
+  }
+  if (j + L <= d) {
+    const Vec<T> e0 = load(x + j) - load(c + j);
+    a0 += e0 * e0;
+    j += L;
+  }
+  if (j < d && d >= L) {  // the tail: the last L values, those already counted masked out
+    const int64_t t = d - L;
+    const Vec<T> e1 = (load(x + t) - load(c + t)) * load(TailMask<T>::values + (d - j));
+    a1 += e1 * e1;
+    j = d;
+  }
+  T acc = hsum<T>(a0 + a1);
+  for (; j < d; ++j) {  // d < L
+    const T e = x[j] - c[j];
+    acc += e * e;
+  }
+  return acc;
+}
+
+template <typename T>
+inline T sumsq(const T* __restrict__ v, int64_t d) {
+  constexpr int L = kLanes<T>;
+  Vec<T> a0{}, a1{};
+  int64_t j = 0;
+  for (; j + 2 * L <= d; j += 2 * L) {
+    const Vec<T> e0 = load(v + j), e1 = load(v + j + L);
+    a0 += e0 * e0;
+    a1 += e1 * e1;
+  }
+  if (j + L <= d) {
+    const Vec<T> e0 = load(v + j);
+    a0 += e0 * e0;
+    j += L;
+  }
+  T acc = hsum<T>(a0 + a1);
+  for (; j < d; ++j) acc += v[j] * v[j];
+  return acc;
+}
+
+// sqdist_direct(x, c, d) (the same operations in the same order: the same bits), and a[j] +=
+// x[j] in float64 in the same pass over x (the Lloyd loop's cluster sums).
+template <typename T>
+inline T sqdist_direct_and_add(const T* __restrict__ x, const T* __restrict__ c, int64_t d, double* __restrict__ a) {
+  constexpr int L = kLanes<T>, LD = kLanes<double>;
+  typedef T Part __attribute__((vector_size(LD * sizeof(T))));  // LD values of T
+  auto add = [&](int64_t j) {  // a[j .. j + L) += x[j .. j + L)
+    for (int h = 0; h < L; h += LD) {
+      Part xp;
+      std::memcpy(&xp, x + j + h, sizeof xp);
+      const Vec<double> sum = load(a + j + h) + __builtin_convertvector(xp, Vec<double>);
+      std::memcpy(a + j + h, &sum, sizeof sum);
+    }
+  };
+  Vec<T> a0{}, a1{};
+  int64_t j = 0;
+  for (; j + 2 * L <= d; j += 2 * L) {
+    const Vec<T> e0 = load(x + j) - load(c + j), e1 = load(x + j + L) - load(c + j + L);
+    a0 += e0 * e0;
+    a1 += e1 * e1;
+    add(j);
+    add(j + L);
+  }
+  if (j + L <= d) {
+    const Vec<T> e0 = load(x + j) - load(c + j);
+    a0 += e0 * e0;
+    add(j);
+    j += L;
+  }
+  if (j < d && d >= L) {  // the tail as in sqdist_direct; the sums' lanes already added get + 0
+    const int64_t t = d - L, r = d - j;
+    const Vec<T> e1 = (load(x + t) - load(c + t)) * load(TailMask<T>::values + r);
+    a1 += e1 * e1;
+    for (int h = 0; h < L; h += LD) {
+      Part xp;
+      std::memcpy(&xp, x + t + h, sizeof xp);
+      const Vec<double> sum =
+          load(a + t + h) + __builtin_convertvector(xp, Vec<double>) * load(TailMask<T>::as_double + r + h);
+      std::memcpy(a + t + h, &sum, sizeof sum);
+    }
+    j = d;
+  }
+  T acc = hsum<T>(a0 + a1);
+  for (; j < d; ++j) {  // d < L
+    const T e = x[j] - c[j];
+    acc += e * e;
+    a[j] += double(x[j]);
+  }
+  return acc;
+}
+
+// The centroids as the screen reads them.
+template <typename T>
+struct Packed {
+  const T* rows = nullptr;     // [K, d] the caller's centroids (the direct distances read them)
+  int64_t K = 0, d = 0, nv = 0, Kpad = 0;
+  std::vector<T> ct;           // [d, Kpad] transposed, zero-padded
+  std::vector<T> cn2;          // [Kpad] ‖c_k‖² in T; +inf in the padding (never the minimum)
+  double cnmax = 0;            // max_k ‖c_k‖
+  // |fl(x·c) − x·c| ≤ γ_d Σ|x_j c_j| for any summation order (FMA or not), γ_d ≈ d·u; the
+  // direct sums' error is as small relative to (‖x‖ + ‖c‖)²; 10% and 4 roundings of slack.
+  double gamma = 0;
+
+  void pack(const T* c, int64_t K_, int64_t d_) {
+    rows = c, K = K_, d = d_;
+    nv = (K + kLanes<T> - 1) / kLanes<T>;
+    Kpad = nv * kLanes<T>;
+    ct.assign(size_t(d * Kpad), T(0));
+    cn2.assign(size_t(Kpad), std::numeric_limits<T>::infinity());
+    cnmax = 0;
+    for (int64_t k = 0; k < K; ++k) {
+      const T* row = c + k * d;
+      double acc = 0;
+      for (int64_t j = 0; j < d; ++j) {
+        ct[size_t(j * Kpad + k)] = row[j];
+        acc += double(row[j]) * double(row[j]);
+      }
+      cn2[size_t(k)] = T(acc);
+      cnmax = std::max(cnmax, std::sqrt(acc));
+    }
+    gamma = 1.1 * double(d + 4) * double(std::numeric_limits<T>::epsilon()) / 2;
+  }
+};
+
+// out[p][k] = ‖c_k‖² − 2x_p·c_k (the screen less ‖x_p‖²) for the P rows xr and the NV centroid
+// vectors from v0 (k from v0·L).
+template <typename T, int P, int NV>
+inline void tile_screen(const T* const* xr, int64_t d, const T* __restrict__ ct, const T* __restrict__ cn2,
+                        int64_t Kpad, int64_t v0, T* __restrict__ out) {
+  using V = Vec<T>;
+  constexpr int L = kLanes<T>;
+  V acc[P][NV];
+#pragma GCC unroll 16
+  for (int p = 0; p < P; ++p)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[p][v] = V{};
+  const T* c = ct + v0 * L;
+  for (int64_t j = 0; j < d; ++j, c += Kpad) {
+    V cv[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) std::memcpy(&cv[v], c + v * L, sizeof(V));
+#pragma GCC unroll 16
+    for (int p = 0; p < P; ++p) {
+      const T xv = xr[p][j];
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[p][v] += xv * cv[v];
+    }
+  }
+  V norm[NV];
+#pragma GCC unroll 4
+  for (int v = 0; v < NV; ++v) std::memcpy(&norm[v], cn2 + (v0 + v) * L, sizeof(V));
+#pragma GCC unroll 16
+  for (int p = 0; p < P; ++p)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+      const V sv = norm[v] - T(2) * acc[p][v];
+      std::memcpy(out + p * Kpad + (v0 + v) * L, &sv, sizeof(V));
+    }
+}
+
+// The Kpad screens of a tile of P rows, in blocks of up to kMaxNV vectors.
+template <typename T, int P>
+inline void tile_all_screens(const T* const* xr, const Packed<T>& pk, T* out) {
+  const T *ct = pk.ct.data(), *cn2 = pk.cn2.data();
+  int64_t v0 = 0;
+  for (; v0 + kMaxNV <= pk.nv; v0 += kMaxNV) tile_screen<T, P, kMaxNV>(xr, pk.d, ct, cn2, pk.Kpad, v0, out);
+  switch (pk.nv - v0) {  // the remainder block (fewer accumulators)
+    case 1: tile_screen<T, P, 1>(xr, pk.d, ct, cn2, pk.Kpad, v0, out); break;
+    case 2: if constexpr (kMaxNV > 2) tile_screen<T, P, 2>(xr, pk.d, ct, cn2, pk.Kpad, v0, out); break;
+    case 3: if constexpr (kMaxNV > 3) tile_screen<T, P, 3>(xr, pk.d, ct, cn2, pk.Kpad, v0, out); break;
+    default: break;
+  }
+}
+
+// ‖x‖ rounded up: the computed Σx² in T has relative error at most (d + 1)·u.
+template <typename T>
+inline double norm_bound(T xn2, int64_t d) {
+  return std::sqrt(double(xn2)) * (1.0 + double(d + 2) * double(std::numeric_limits<T>::epsilon()));
+}
+
+// Assigns points [i0, i1): calls on_point(i, label, sqdist, via_single) for each finite point,
+// in order. When the screen leaves one candidate, its distance is single(i, k, x, c) (which must
+// return sqdist_direct(x, c, d), and may do more in the same pass over x: via_single is then
+// true); otherwise every candidate's sqdist_direct is compared. xnorm: a cache of norm_bound per point (read when `cached`, written
+// otherwise), or null to compute them here. A point with a NaN/inf is a fault and is skipped.
+template <typename T, int P, typename Single, typename OnPoint>
+void assign_range_p(const T* points, int64_t i0, int64_t i1, const Packed<T>& pk, double* xnorm, bool cached,
+                    std::vector<T>& dots, Faults& faults, Single&& single, OnPoint&& on_point) {
+  const int64_t d = pk.d, K = pk.K, Kpad = pk.Kpad;
+  dots.resize(size_t(P * Kpad));
+  double xnb[P];
+  for (int64_t t0 = i0; t0 < i1; t0 += P) {
+    const int np = int(std::min<int64_t>(P, i1 - t0));
+    const T* xr[P];
+    for (int p = 0; p < P; ++p) xr[p] = points + (t0 + std::min(p, np - 1)) * d;  // a short tile repeats its last row
+    bool ok[P];
+    for (int p = 0; p < np; ++p) {
+      ok[p] = true;
+      if (xnorm && cached) {
+        xnb[p] = xnorm[t0 + p];
+        continue;
+      }
+      const T xn2 = sumsq(xr[p], d);
+      // A NaN/inf coordinate makes the sum non-finite (so does a huge finite one: confirm)
+      if (!std::isfinite(xn2) && !all_finite(xr[p], d)) {
+        faults.add(t0 + p, FaultKind::NonFinite, "points: row %lld holds a NaN or infinite value", ll(t0 + p));
+        ok[p] = false;
+      }
+      xnb[p] = norm_bound(xn2, d);  // inf for a huge finite row: every centroid is rechecked
+      if (xnorm) xnorm[t0 + p] = xnb[p];
+    }
+    tile_all_screens<T, P>(xr, pk, dots.data());
+    for (int p = 0; p < np; ++p) {
+      if (!ok[p]) continue;
+      const T* sp = dots.data() + p * Kpad;
+      Vec<T> lo = load(sp);
+      for (int64_t v = 1; v < pk.nv; ++v) {
+        const Vec<T> sv = load(sp + v * kLanes<T>);
+        lo = sv < lo ? sv : lo;
+      }
+      const T smin = hmin<T>(lo);
+      // E = γ(‖x‖ + max‖c‖)² bounds the screen's error (the dot products' rounding, and that of
+      // ‖c‖² and of the subtraction in T) and the direct sums' error for every centroid. A
+      // centroid whose screen exceeds the smallest by more than 4E has a direct distance larger
+      // than that of the smallest's centroid: never the first minimum.
+      const double reach = xnb[p] + pk.cnmax;
+      const double limit = double(smin) + 4.0 * pk.gamma * reach * reach;
+      T lim = T(limit);
+      if (double(lim) < limit) lim = std::nextafter(lim, std::numeric_limits<T>::infinity());
+      // Where the screen could overflow in T (or a norm did), or its minimum is not finite,
+      // every centroid is computed directly (+inf: the padding's lanes are then candidates too).
+      if (!(reach * reach < 0.25 * double(std::numeric_limits<T>::max())) || !std::isfinite(limit))
+        lim = std::numeric_limits<T>::infinity();
+      uint32_t bits[kMaxCandidateWords];
+      int candidates = 0;
+      for (int64_t v = 0; v < pk.nv; ++v) {
+        bits[v % kMaxCandidateWords] = lanes_at_most<T>(load(sp + v * kLanes<T>), lim);
+        candidates += __builtin_popcount(bits[v % kMaxCandidateWords]);
+        if (candidates > 1 || v + 1 >= kMaxCandidateWords) break;
+      }
+      if (candidates == 1 && pk.nv <= kMaxCandidateWords) {  // the usual case: the screen decides
+        int64_t k = 0;
+        for (int64_t v = 0; v < pk.nv; ++v)
+          if (bits[v]) k = v * kLanes<T> + __builtin_ctz(bits[v]);
+        if (k < K) {
+          on_point(t0 + p, k, single(t0 + p, k, xr[p], pk.rows + k * d), true);
+          continue;
+        }
+      }
+      T best = std::numeric_limits<T>::infinity();
+      int64_t arg = -1;
+      for (int64_t v = 0; v < pk.nv; ++v)
+        for (uint32_t b = lanes_at_most<T>(load(sp + v * kLanes<T>), lim); b; b &= b - 1) {
+          const int64_t k = v * kLanes<T> + __builtin_ctz(b);
+          if (k >= K) break;  // the padding
+          const T dist = sqdist_direct(xr[p], pk.rows + k * d, d);
+          if (arg < 0 || dist < best) {
+            best = dist;
+            arg = k;
+          }
+        }
+      on_point(t0 + p, arg, best, false);
+    }
+  }
+}
+
+// The tile height for these centroids (the register blocking of their widest block).
+template <typename T, typename Single, typename OnPoint>
+void assign_range(const T* points, int64_t i0, int64_t i1, const Packed<T>& pk, double* xnorm, bool cached,
+                  std::vector<T>& dots, Faults& faults, Single&& single, OnPoint&& on_point) {
+  const int P = points_for(int(std::min<int64_t>(pk.nv, kMaxNV)));
+  if constexpr (kVecRegs >= 32) {
+    if (P == 12) return assign_range_p<T, 12>(points, i0, i1, pk, xnorm, cached, dots, faults, single, on_point);
+  }
+  if (P == 8) return assign_range_p<T, 8>(points, i0, i1, pk, xnorm, cached, dots, faults, single, on_point);
+  assign_range_p<T, 6>(points, i0, i1, pk, xnorm, cached, dots, faults, single, on_point);
+}
+
+}  // namespace kmeans_detail
+PFLCORE_LEVEL_END
+}  // namespace pflcore::cpu
