@@ -140,19 +140,27 @@ void clip_and_sum(const T* updates, int64_t R, int64_t d, const T* weights, doub
       TreeSum local(d, chunk_depth);
       const int64_t r0 = c * chunk, r1 = std::min(R, (c + 1) * chunk);
       // The scale of row r (0 for a faulty row: the call's result is discarded then).
-      const auto scale_of = [&](int64_t r) {
+      // A row's squared norm is summed over 16 lanes (lane l takes j ≡ l mod 16, in increasing j;
+      // four independent vector chains, not one latency-bound chain), then the lanes in order:
+      // the standalone pass and the pass fused into the previous group's give the same bits.
+      constexpr int64_t kLanes = 16;
+      const auto square_sum = [&](const double* part) {
+        double sq = 0.0;
+        for (int64_t l = 0; l < kLanes; ++l) sq += part[l];
+        return sq;
+      };
+      const auto norm_parts = [&](int64_t r, double* part) {
         const T* __restrict__ u = updates + r * d;
-        // 16 partial sums: four independent vector chains, not one latency-bound chain
-        constexpr int64_t kLanes = 16;
-        double part[kLanes] = {0.0};
+        for (int64_t l = 0; l < kLanes; ++l) part[l] = 0.0;
         int64_t j = 0;
         for (; j + kLanes <= d; j += kLanes) {
 #pragma omp simd
           for (int64_t l = 0; l < kLanes; ++l) part[l] += double(u[j + l]) * double(u[j + l]);
         }
         for (; j < d; ++j) part[j % kLanes] += double(u[j]) * double(u[j]);
-        double sq = 0.0;
-        for (int64_t l = 0; l < kLanes; ++l) sq += part[l];
+      };
+      // The scale of row r from its squared norm (0 for a faulty row: the result is discarded then).
+      const auto scale_from = [&](int64_t r, double sq) {
         const double norm = std::sqrt(sq);
         const double w = weights ? double(weights[r]) : 1.0;
         if (!std::isfinite(norm)) {
@@ -169,22 +177,73 @@ void clip_and_sum(const T* updates, int64_t R, int64_t d, const T* weights, doub
         if (norm > clip_norm) ++n_clipped;
         return w * (norm > clip_norm ? clip_norm / norm : 1.0);
       };
+      const auto scale_of = [&](int64_t r) {
+        double part[kLanes];
+        norm_parts(r, part);
+        return scale_from(r, square_sum(part));
+      };
       int64_t r = r0;
-      // Four rows at a time: their level-2 node in one pass (the rows are in L1 from their norms),
-      // the same additions as four leaves pushed one by one.
+      // Four rows at a time: their level-2 node in one pass (the same additions as four leaves
+      // pushed one by one), which also sums the squares of the next four rows (so the stream of
+      // new rows from memory overlaps the arithmetic on the rows in cache).
+      double next[4][kLanes];
+      bool have_next = false;
       for (; r + 4 <= r1; r += 4) {
-        const double s0 = scale_of(r), s1 = scale_of(r + 1), s2 = scale_of(r + 2), s3 = scale_of(r + 3);
+        double s[4];
+        for (int k = 0; k < 4; ++k) {
+          if (!have_next) norm_parts(r + k, next[k]);
+          s[k] = scale_from(r + k, square_sum(next[k]));
+        }
+        const bool fuse = r + 8 <= r1;
         const T* __restrict__ u0 = updates + r * d;
         const T* __restrict__ u1 = u0 + d;
         const T* __restrict__ u2 = u1 + d;
         const T* __restrict__ u3 = u2 + d;
         double* __restrict__ node4 = local.next();
+        const double s0 = s[0], s1 = s[1], s2 = s[2], s3 = s[3];
+        if (fuse) {
+          const T* __restrict__ v0 = u3 + d;
+          const T* __restrict__ v1 = v0 + d;
+          const T* __restrict__ v2 = v1 + d;
+          const T* __restrict__ v3 = v2 + d;
+          double p0[kLanes] = {0.0}, p1[kLanes] = {0.0}, p2[kLanes] = {0.0}, p3[kLanes] = {0.0};
+          // the group after next, ahead of the hardware prefetchers (its rows are short streams);
+          // a prefetch is a hint and never faults, past the last row included
+          const T* w0 = v3 + d;
+          int64_t j = 0;
+          for (; j + kLanes <= d; j += kLanes) {
+            for (int k = 0; k < 4; ++k)
+              for (int64_t b = 0; b < int64_t(kLanes * sizeof(T)); b += 64)
+                __builtin_prefetch(reinterpret_cast<const char*>(w0 + k * d + j) + b);
 #pragma omp simd
-        for (int64_t j = 0; j < d; ++j) {
-          const double a = s0 * double(u0[j]) + s1 * double(u1[j]);
-          const double b = s2 * double(u2[j]) + s3 * double(u3[j]);
-          node4[j] = a + b;
+            for (int64_t l = 0; l < kLanes; ++l) {
+              const int64_t i = j + l;
+              node4[i] = (s0 * double(u0[i]) + s1 * double(u1[i])) + (s2 * double(u2[i]) + s3 * double(u3[i]));
+              p0[l] += double(v0[i]) * double(v0[i]);
+              p1[l] += double(v1[i]) * double(v1[i]);
+              p2[l] += double(v2[i]) * double(v2[i]);
+              p3[l] += double(v3[i]) * double(v3[i]);
+            }
+          }
+          for (; j < d; ++j) {
+            node4[j] = (s0 * double(u0[j]) + s1 * double(u1[j])) + (s2 * double(u2[j]) + s3 * double(u3[j]));
+            p0[j % kLanes] += double(v0[j]) * double(v0[j]);
+            p1[j % kLanes] += double(v1[j]) * double(v1[j]);
+            p2[j % kLanes] += double(v2[j]) * double(v2[j]);
+            p3[j % kLanes] += double(v3[j]) * double(v3[j]);
+          }
+          for (int64_t l = 0; l < kLanes; ++l) {
+            next[0][l] = p0[l];
+            next[1][l] = p1[l];
+            next[2][l] = p2[l];
+            next[3][l] = p3[l];
+          }
+        } else {
+#pragma omp simd
+          for (int64_t j = 0; j < d; ++j)
+            node4[j] = (s0 * double(u0[j]) + s1 * double(u1[j])) + (s2 * double(u2[j]) + s3 * double(u3[j]));
         }
+        have_next = fuse;
         local.pushed4();
       }
       for (; r < r1; ++r) {  // the last chunk's last rows, leaf by leaf
