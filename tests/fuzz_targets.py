@@ -620,7 +620,8 @@ from pflcore import ops as O  # noqa: E402
 
 _OP_NAMES = ("x", "y", "offsets", "theta", "v", "rows", "batches", "anchor", "grad_scale", "data", "model", "clients",
              "points", "centroids", "labels", "weights", "residuals", "u", "tu", "init", "k", "seed", "steps", "lr",
-             "prox", "batch_size", "counter", "iters", "tol", "reg", "memory", "safeguard", "safeguard_factor")
+             "prox", "batch_size", "counter", "iters", "tol", "reg", "memory", "safeguard", "safeguard_factor", "updates",
+             "clip_norm", "noise_multiplier")
 
 
 def _gen(draw) -> torch.Generator:
@@ -871,6 +872,29 @@ def _average_args(draw):
 
 
 @st.composite
+def _clip_args(draw):
+    R, d = draw(st.integers(0, 6)), draw(st.integers(1, 4))
+    dtype = draw(st.sampled_from([torch.float32, torch.float64]))
+    g = _gen(draw)
+    updates = torch.randn(R, d, dtype=dtype, generator=g) * draw(st.sampled_from([1e-3, 1.0, 1e3]))
+    kw = dict(updates=updates, clip_norm=draw(st.floats(1e-3, 10.0)), noise_multiplier=draw(st.floats(0.0, 2.0)),
+              seed=draw(st.integers(0, 2 ** 64 - 1)), counter=draw(st.integers(0, 2 ** 64 - 1)))
+    if draw(st.booleans()):
+        kw["weights"] = torch.rand(R, dtype=dtype, generator=g)
+    if draw(st.integers(0, 2)) > 0:
+        key = draw(st.sampled_from(["updates", "weights", "clip_norm", "noise_multiplier", "seed", "counter"]))
+        bad_u = torch.randn(max(R, 1), d, dtype=dtype, generator=g)
+        bad_u[0, 0] = _NAN
+        kw[key] = draw({"updates": st.sampled_from([bad_u, updates.reshape(-1), updates.to(torch.int32)]),
+                        "weights": st.sampled_from([torch.full((R,), 1.5, dtype=dtype), -torch.ones(R, dtype=dtype),
+                                                    torch.full((R,), _NAN, dtype=dtype), torch.ones(R + 1)]),
+                        "clip_norm": BAD_REAL, "noise_multiplier": st.sampled_from([-1.0, _NAN, _INF]),
+                        "seed": st.sampled_from([-1, 2 ** 64, 1.5]), "counter": st.sampled_from([-1, 2 ** 64, 1.5])}[key]
+                       | junk)
+    return [], kw
+
+
+@st.composite
 def _sample_args(draw):
     case = draw(_model_case())
     kw = dict(data=case["data"], steps=draw(st.integers(0, 3)), batch_size=draw(st.integers(1, 4)),
@@ -984,6 +1008,8 @@ OPS: List[Target] = [
     Target("ops.kmeans", O.kmeans, _points_args(True), _kmeans_check, examples=40, names=_OP_NAMES),
     Target("ops.average", _ref_of(O.average, O.average_ref), _average_args(), _pair_check, examples=40,
            names=_OP_NAMES),
+    Target("ops.clip_and_sum", _ref_of(O.clip_and_sum, O.clip_and_sum_ref), _clip_args(), _pair_check,
+           examples=40, names=_OP_NAMES),
     Target("ops.anderson_weights", _ref_of(O.anderson_weights, O.anderson_weights_ref), _anderson_args(),
            _anderson_weights_check, examples=40, names=_OP_NAMES),
     Target("ops.Anderson", _anderson_steps, _anderson_step_args(), _pair_check, examples=30, names=_OP_NAMES),
