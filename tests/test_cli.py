@@ -190,9 +190,13 @@ def test_shipped_experiments_build(path):
     cfg = experiments.load(path)
     experiments.check(cfg)
     points = [None] if "sweep" not in cfg else cfg["sweep"]["values"]
+    built = {}  # a sweep that leaves [data] alone builds its federation once
     for value in points:
         c = cfg if value is None else experiments.apply_overrides(dict(cfg), [f"{cfg['sweep']['key']}={value}"])
-        fed = experiments.build_federation(c["data"], 0)
+        if "privacy" in c:
+            experiments.C.privacy_settings(c["privacy"])
+        key = repr(sorted(c["data"].items()))
+        fed = built[key] if key in built else built.setdefault(key, experiments.build_federation(c["data"], 0))
         model = experiments.build_model(c.get("model"), fed)
         for label, spec in c["algorithms"].items():
             experiments.build_algorithm(label, spec, fed, model)
