@@ -137,9 +137,10 @@ print(hashlib.sha256(th.numpy().tobytes()).hexdigest())
 
 def test_an_anchor_aliasing_theta_gives_one_result_at_any_thread_count():
     """The issue's case: anchor = theta[0], a row being updated. The anchor is copied at the call,
-    so four runs at each of 1 and 2 threads agree bitwise, and with an explicit copy."""
+    so two runs at each of 1 and 2 threads agree bitwise, and with an explicit copy. (Each run is
+    a fresh interpreter, ~3.5 s: this test runs at every CPU level and again in CI's other builds.)"""
     digests = set()
-    for threads in (1, 2, 1, 2, 1, 2, 1, 2):
+    for threads in (1, 2, 1, 2):
         # cwd = tests/ (no pflcore there) on sys.path so that the snippet can import conftest
         env = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}
         env["OMP_NUM_THREADS"] = str(threads)
