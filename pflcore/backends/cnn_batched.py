@@ -180,6 +180,21 @@ def logits_t(model: CNN, theta: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return CNNChunk(model, model.split(theta)).logits_t(x)
 
 
+def step_in_place(th: torch.Tensor, g: torch.Tensor, a: Optional[torch.Tensor], lr: float, prox: float,
+                  shrink: float, lr_scale: Optional[torch.Tensor]) -> None:
+    """One step of the nets' update on ``th [c, d]`` from its gradient ``g`` (shared with the
+    generic path of nets.py): θ ← θ·shrink + lr·prox·a − lr·g, then θ_old + s ⊙ (θ − θ_old)
+    with ``lr_scale`` s."""
+    old = th.clone() if lr_scale is not None else None
+    if shrink != 1.0:
+        th.mul_(shrink)
+    if prox and a is not None:
+        th.add_(a, alpha=lr * prox)
+    th.add_(g, alpha=-lr)
+    if old is not None:  # θ_old + s ⊙ (θ_new − θ_old)
+        th.sub_(old).mul_(lr_scale).add_(old)
+
+
 def local_steps_chunk(model: CNN, th: torch.Tensor, data, batch_idx: Optional[torch.Tensor], full: Optional[tuple],
                       a: Optional[torch.Tensor], scale: Optional[torch.Tensor], steps: int, lr: float, prox: float,
                       lr_scale: Optional[torch.Tensor]) -> None:
@@ -207,11 +222,4 @@ def local_steps_chunk(model: CNN, th: torch.Tensor, data, batch_idx: Optional[to
         if full is None and (s == 0 or not torch.equal(batch_idx[s], batch_idx[s - 1])):
             x, y = gather(batch_idx[s])
         gradient_into(model, th, x, y, w, g)
-        old = th.clone() if lr_scale is not None else None
-        if shrink != 1.0:
-            th.mul_(shrink)
-        if prox and a is not None:
-            th.add_(a, alpha=lr * prox)
-        th.add_(g, alpha=-lr)
-        if old is not None:  # θ_old + s ⊙ (θ_new − θ_old)
-            th.sub_(old).mul_(lr_scale).add_(old)
+        step_in_place(th, g, a, lr, prox, shrink, lr_scale)

@@ -481,14 +481,7 @@ def local_steps(model: TorchNet, theta_t: torch.Tensor, data: ClientData, rows_t
                 idx = batches_t[c0:c1, s].to(torch.int64)
                 x, y = data.x[idx], data.y[idx]
             g = model.flatten(grad(model.split(th), x, y, w))
-            old = th.clone() if lr_scale is not None else None
-            if shrink != 1.0:
-                th.mul_(shrink)
-            if prox and a is not None:
-                th.add_(a, alpha=lr * prox)
-            th.add_(g, alpha=-lr)
-            if old is not None:  # θ_old + s ⊙ (θ_new − θ_old)
-                th.sub_(old).mul_(lr_scale).add_(old)
+            cnn_batched.step_in_place(th, g, a, lr, prox, shrink, lr_scale)
     _for_chunks(list(_chunks(model, R, rows_per_model, data.dtype, data.device)), work, data.device)
 
 

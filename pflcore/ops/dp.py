@@ -25,6 +25,7 @@ import torch
 from pflcore import backend
 from pflcore._arrays import from_tensor, to_tensor
 from pflcore._checks import check_float, check_shape
+from pflcore.ops._args import same_device
 
 _U64 = 1 << 64
 
@@ -68,8 +69,7 @@ def _validate(u: torch.Tensor, weights, clip_norm, noise_multiplier, seed, count
         check_float(w, "weights", u.dtype)
         if w.dim() != 1 or w.shape[0] != R:
             check_shape(w, "weights", (R,), f"[R] = [{R}]")
-        if w.device != u.device:
-            raise ValueError(f"weights: expected a tensor on {u.device} (the device of updates), got {w.device}")
+        same_device(w, u, "weights")
         w = w if w.is_contiguous() else w.contiguous()
     _check_positive(clip_norm, "clip_norm")
     _check_positive(noise_multiplier, "noise_multiplier", allow_zero=True)
