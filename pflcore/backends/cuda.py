@@ -168,7 +168,8 @@ class CudaAdapter(Adapter):
     def local_steps(self, model, theta, data, rows, batches, anchor, grad_scale, steps, lr, prox, trusted=False):
         if steps == 0:
             return
-        _values.glm_fault(model, theta, data, rows, batches, anchor, grad_scale)
+        if not trusted:  # the run's own draws: no pre-pass, no host sync (see _values.py)
+            _values.glm_fault(model, theta, data, rows, batches, anchor, grad_scale)
         dev, dt = theta.device, theta.dtype
         with torch.cuda.device(dev):
             launch("local_steps", self.module.local_steps, *glm_args(model, theta, data, rows),
@@ -177,7 +178,8 @@ class CudaAdapter(Adapter):
                    ptr(grad_scale, "grad_scale", dev, dt), steps, lr, prox, dtype_name(theta), stream(theta))
 
     def gradients(self, model, theta, data, rows, batches, trusted=False):
-        _values.glm_fault(model, theta, data, rows, batches)
+        if not trusted:  # the run's own draws: no pre-pass, no host sync (see _values.py)
+            _values.glm_fault(model, theta, data, rows, batches)
         theta = _values.one_per_row(theta, data, rows)
         out = torch.empty_like(theta)
         dev = theta.device
@@ -190,7 +192,8 @@ class CudaAdapter(Adapter):
     def evaluate(self, model, theta, data, rows, batches=None, trusted=False):
         if batches is not None:  # the kernel evaluates whole clients: a sample of rows goes to torch
             return ReferenceAdapter().evaluate(model, theta, data, rows, batches, trusted)
-        _values.glm_fault(model, theta, data, rows)
+        if not trusted:  # the run's own draws: no pre-pass, no host sync (see _values.py)
+            _values.glm_fault(model, theta, data, rows)
         theta = _values.one_per_row(theta, data, rows)
         dev = theta.device
         loss, correct, count = evaluation_outputs(theta.shape[0], theta.dtype, dev)
