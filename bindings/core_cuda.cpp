@@ -340,6 +340,10 @@ py::dict build_info() {
     info["cuda_runtime_version"] = version;
     info["architectures"] = std::string(PFLCORE_CUDA_ARCHS);
     info["max_classes"] = py::make_tuple(pc::glm_max_classes(false), pc::glm_max_classes(true));
+#ifdef PFLCORE_CUDA_MIN_DRIVER
+    // the oldest driver branch that runs this toolkit's statically linked runtime (0: unknown)
+    info["min_driver"] = PFLCORE_CUDA_MIN_DRIVER;
+#endif
     return info;
 }
 
@@ -399,6 +403,7 @@ PYBIND11_MODULE(_core_cuda, m) {
           "driver_version (0 = no driver) and runtime_version.");
     m.def("build_info", &build_info,
           "Dict with cuda_runtime_version (int, -1 on error), architectures (the CUDA "
-          "architectures compiled for) and max_classes "
-          "(largest C of the GLM kernels for float32, float64).");
+          "architectures compiled for), max_classes "
+          "(largest C of the GLM kernels for float32, float64) and min_driver (the oldest "
+          "NVIDIA driver branch the module's CUDA runtime runs on, 0 if unknown).");
 }

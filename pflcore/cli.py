@@ -57,6 +57,9 @@ def _info(_args) -> int:
     print("devices:")
     for line in backend.devices():
         print(f"  {line}")
+    print("GPU:")
+    for line in _gpu_lines():
+        print(f"  {line}")
     import torch.distributed as dist
 
     if dist.is_available():
@@ -65,6 +68,61 @@ def _info(_args) -> int:
     else:
         print("sharding: torch.distributed is not available in this torch build")
     return 0
+
+
+def _cuda_version(v: int) -> str:
+    return f"CUDA {v // 1000}.{v % 1000 // 10}"
+
+
+def _gpu_lines() -> List[str]:
+    """``pflcore info``'s GPU section: the NVIDIA driver the CUDA module needs (it links its CUDA
+    runtime statically, so the driver must support the toolkit it was built with, whatever
+    torch's CUDA is), and for each GPU backend whether CUDA tensors use it, or why not."""
+    import importlib
+
+    import torch
+
+    from pflcore import backend
+
+    lines = []
+    try:
+        module = importlib.import_module("pflcore._core_cuda")
+    except (ImportError, OSError):
+        module = None  # the cuda line above says why
+    if module is not None:
+        info = module.build_info()
+        runtime, need = info.get("cuda_runtime_version", -1), info.get("min_driver", 0)
+        built = _cuda_version(runtime) if runtime > 0 else "an unknown CUDA version"
+        needs = (f"an NVIDIA driver >= {need}" if need else
+                 "a driver that supports it (this build does not record the minimum driver branch)")
+        driver = module.runtime_status()["driver_version"] if hasattr(module, "runtime_status") else -1
+        here = ("no NVIDIA driver here" if driver == 0 else "this machine's driver: unknown" if driver < 0
+                else f"this machine's driver supports {_cuda_version(driver)}")
+        short = 0 < driver < (runtime // 1000) * 1000  # the driver's CUDA major is older
+        lines.append(f"CUDA module: built with {built}; needs {needs}; {here}" +
+                     ("; rebuild with a toolkit the driver supports (CUDACXX=/path/to/nvcc) or without "
+                      "the module (PFLCORE_CUDA=OFF)" if short else ""))
+    forced = backend.requested()
+    has_gpu = torch.cuda.is_available()
+    auto = next((n for n in ("cuda", "triton") if backend.ADAPTERS[n].available and backend.ADAPTERS[n].auto),
+                "reference")
+    chosen = forced or auto
+    for name in ("cuda", "triton"):
+        a = backend.ADAPTERS[name]
+        if has_gpu and name == chosen:
+            lines.append(f"{name}: in use for CUDA tensors" + (" (PFLCORE_BACKEND)" if forced else ""))
+        elif not a.available:
+            lines.append(f"{name}: not in use: {a.describe()}")
+        elif not a.auto:
+            lines.append(f"{name}: not in use automatically: under TRITON_INTERPRET=1 it serves only calls that "
+                         f"ask for it by name")
+        elif not has_gpu:
+            lines.append(f"{name}: not in use: torch sees no CUDA device")
+        else:
+            lines.append(f"{name}: not in use: {chosen} comes first "
+                         f"({'PFLCORE_BACKEND' if forced else 'automatic order cuda -> triton -> reference'}); "
+                         f"PFLCORE_BACKEND={name} selects it")
+    return lines
 
 
 def _warning_line(message, category, filename, lineno, file=None, line=None) -> None:
