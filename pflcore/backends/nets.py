@@ -62,6 +62,7 @@ import torch
 import torch.nn.functional as F
 
 from pflcore.backends import _values
+from pflcore.backends._precision import nets_math
 from pflcore.backends.base import Adapter
 from pflcore.client_data import ClientData
 from pflcore.models.nets import CNN, MLP, TorchNet
@@ -637,6 +638,7 @@ class NetsAdapter(Adapter):
     def _load(self):
         return torch, f"torch.func over all clients (torch {torch.__version__})"
 
+    @nets_math  # PFLCORE_NETS_TF32=0: full float32 (backends/_precision.py)
     def local_steps(self, model, theta, data, rows, batches, anchor, grad_scale, steps, lr, prox, trusted=False,
                     lr_scale=None):
         if steps == 0:
@@ -644,15 +646,18 @@ class NetsAdapter(Adapter):
         _values.glm_fault(model, theta, data, rows, batches, anchor, grad_scale)
         local_steps(model, theta, data, _all_rows(data, rows), batches, anchor, grad_scale, steps, lr, prox, lr_scale)
 
+    @nets_math  # PFLCORE_NETS_TF32=0: full float32 (backends/_precision.py)
     def gradients(self, model, theta, data, rows, batches, trusted=False):
         _values.glm_fault(model, theta, data, rows, batches)
         theta = _values.one_per_row(theta, data, rows)
         return gradients(model, theta, data, _all_rows(data, rows), batches)
 
+    @nets_math  # PFLCORE_NETS_TF32=0: full float32 (backends/_precision.py)
     def evaluate(self, model, theta, data, rows, batches=None, trusted=False):
         _values.glm_fault(model, theta, data, rows, batches)
         return evaluate(model, theta, data, _all_rows(data, rows), batches)
 
+    @nets_math  # PFLCORE_NETS_TF32=0: full float32 (backends/_precision.py)
     def hvp(self, model, theta, v, data, rows, batches, trusted=False):
         _values.glm_fault(model, theta, data, rows, batches)
         _values.finite_rows(v, "v")
