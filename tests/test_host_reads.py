@@ -26,21 +26,31 @@ from pflcore.errors import NonFiniteError
 _READS = ("item", "__bool__", "__int__", "__float__", "__index__", "tolist", "numpy", "nonzero", "cpu")
 
 
+class Reads(list):
+    """The names of the host reads seen; none are recorded while ``paused`` (a kernel runs)."""
+
+    paused = False
+
+    def add(self, name):
+        if not self.paused:
+            self.append(name)
+
+
 @contextlib.contextmanager
 def host_reads(monkeypatch):
-    """Yields a list that receives the name of every host read made inside the block."""
-    seen = []
+    """Yields a Reads that receives the name of every host read made inside the block."""
+    seen = Reads()
     with monkeypatch.context() as mp:
         for name in _READS:
             orig = getattr(torch.Tensor, name)
 
             def counted(self, *a, _orig=orig, _name=name, **k):
-                seen.append(_name)
+                seen.add(_name)
                 return _orig(self, *a, **k)
 
             mp.setattr(torch.Tensor, name, counted)
         orig_nonzero = torch.nonzero
-        mp.setattr(torch, "nonzero", lambda *a, **k: seen.append("torch.nonzero") or orig_nonzero(*a, **k))
+        mp.setattr(torch, "nonzero", lambda *a, **k: seen.add("torch.nonzero") or orig_nonzero(*a, **k))
         yield seen
 
 
@@ -109,6 +119,51 @@ def test_every_triton_op_reads_the_host_at_most_once(monkeypatch):
             call(adapter, False)
         assert len(seen) <= 1, f"{op}: {seen}"
         assert adapter.module.calls, f"{op}: no kernel was launched"
+
+
+class Paused:
+    """The real pflcore.triton, its kernels run with the count paused: what the interpreter
+    reads while it runs a kernel is no read of the adapter's (on a GPU there is none)."""
+
+    def __init__(self, module, seen):
+        self.module, self.seen, self.INTERPRETED = module, seen, module.INTERPRETED
+
+    def __getattr__(self, name):
+        kernel = getattr(self.module, name)
+
+        def run(*a, **k):
+            self.seen.paused = True
+            try:
+                return kernel(*a, **k)
+            finally:
+                self.seen.paused = False
+        return run
+
+
+def test_triton_ops_under_the_interpreter_read_the_host_at_most_once(monkeypatch):
+    """The same count with the real kernels (TRITON_INTERPRET=1, CPU tensors), whose results
+    must match the reference adapter's: the screen let them run and they ran."""
+    pytest.importorskip("triton")
+    from pflcore import backend
+
+    real = backend.adapter("triton")
+    if real.module is None or not real.module.INTERPRETED:
+        pytest.skip("the Triton backend is not under TRITON_INTERPRET=1 here (a GPU machine: tests/gpu covers it)")
+    ref = backend.adapter("reference")
+    model, data = models.Softmax(4, 3), _fed()
+    theta = torch.randn(3, model.d, generator=torch.Generator().manual_seed(2)) * 0.1
+    rows = torch.tensor([2, 0, 1])
+    b = (torch.randint(0, 6, (3, 3)) + data.offsets[rows].view(3, 1)).to(torch.int32)
+    for trusted in (False, True):
+        adapter = TritonAdapter()
+        with host_reads(monkeypatch) as seen:
+            adapter._state = (Paused(real.module, seen), "paused")
+            got = adapter.gradients(model, theta, data, rows, b, trusted)
+            in_gradients = len(seen)
+            loss = adapter.evaluate(model, theta, data, None, None, trusted)[0]
+        assert in_gradients <= (0 if trusted else 1) and len(seen) - in_gradients <= (0 if trusted else 1), seen
+        torch.testing.assert_close(got, ref.gradients(model, theta, data, rows, b))
+        torch.testing.assert_close(loss, ref.evaluate(model, theta, data, None)[0])
 
 
 @pytest.mark.parametrize("op", ["local_steps", "gradients", "evaluate"])
