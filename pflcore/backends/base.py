@@ -104,6 +104,8 @@ def label_segments(labels, K: int):
     import torch
 
     order = torch.sort(labels, stable=True).indices
+    # counts by index_add_, not bincount: bincount on CUDA reads the largest label back to the
+    # host to size its output, a second synchronization in a call that has one (the value check)
     seg = torch.zeros(K + 1, dtype=torch.int64, device=labels.device)
-    seg[1:] = torch.cumsum(torch.bincount(labels, minlength=K), 0)
-    return order, seg
+    seg.index_add_(0, labels + 1, torch.ones_like(labels))
+    return order, torch.cumsum(seg, 0)
