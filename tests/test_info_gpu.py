@@ -73,3 +73,11 @@ def test_info_prints_the_gpu_section(capsys):
     section = out.split("GPU:\n", 1)[1].splitlines()
     assert section[0].startswith("  ") and any(line.startswith("  cuda: ") for line in section)
     assert any(line.startswith("  triton: ") for line in section)
+
+
+def test_the_built_module_records_the_driver_it_needs():
+    core_cuda = pytest.importorskip("pflcore._core_cuda", reason="the CUDA module is not built here")
+    info = core_cuda.build_info()
+    major = info["cuda_runtime_version"] // 1000
+    # CMakeLists.txt's table: the oldest driver branch of each toolkit major
+    assert info["min_driver"] == {11: 450, 12: 525, 13: 580}.get(major, 0), info
