@@ -114,11 +114,15 @@ struct Walk {
     }
 };
 
-// (kThreads, 2): a budget of 128 registers. With the bound on threads alone ptxas chose 48-80
-// registers and spilled up to 40 bytes (nvcc -Xptxas -v); within 128 no variant spills, and two
-// blocks of 256 threads still fit an SM's 64 K registers.
+// Blocks per SM the register budget must allow: 3 (at most 80 registers a thread), but 2 (128)
+// for softmax local steps in float64, which spills 44-52 bytes within 80. With the bound on
+// threads alone ptxas chose 48-80 registers and spilled up to 40 bytes (nvcc -Xptxas -v); with
+// these budgets no variant spills, on sm_80 or sm_90.
 template <Family F, typename T, int M>
-__global__ void __launch_bounds__(kThreads, 2) glm_kernel(const GlmArgs<T> a) {
+constexpr int kMinBlocks = (F == Family::Softmax && sizeof(T) == 8 && M == kLocalSteps) ? 2 : 3;
+
+template <Family F, typename T, int M>
+__global__ void __launch_bounds__(kThreads, (kMinBlocks<F, T, M>)) glm_kernel(const GlmArgs<T> a) {
     using Y = label_t<F, T>;
     extern __shared__ __align__(16) unsigned char smem[];
     const int64_t p = a.p, C = a.C, P = p + (a.intercept ? 1 : 0), d = P * C;
