@@ -25,32 +25,40 @@ cudaError_t kmeans_assign(const float* points, const float* centroids, int64_t* 
                           float* sqdist, int64_t N, int64_t K, int64_t d, cudaStream_t stream);
 cudaError_t kmeans_assign(const double* points, const double* centroids, int64_t* labels,
                           double* sqdist, int64_t N, int64_t K, int64_t d, cudaStream_t stream);
+int64_t kmeans_update_scratch(int64_t N, int64_t K, int64_t d);
 cudaError_t kmeans_update(const float* points, const int64_t* order, const int64_t* seg, const float* weights,
-                          float* centroids, double* wsum, int64_t N, int64_t K, int64_t d, cudaStream_t stream);
+                          float* centroids, double* wsum, int64_t N, int64_t K, int64_t d, double* scratch,
+                          cudaStream_t stream);
 cudaError_t kmeans_update(const double* points, const int64_t* order, const int64_t* seg, const double* weights,
-                          double* centroids, double* wsum, int64_t N, int64_t K, int64_t d, cudaStream_t stream);
+                          double* centroids, double* wsum, int64_t N, int64_t K, int64_t d, double* scratch,
+                          cudaStream_t stream);
 // csrc/cuda/glm.cu
 int64_t glm_max_classes(bool f64);
+template <typename T>
+cudaError_t glm_scratch_rows(int family, int64_t p, int64_t C, bool intercept, int64_t* rows);
 template <typename T>
 cudaError_t glm_local_steps(int family, int64_t p, int64_t C, bool intercept, double l2, void* theta,
                             const void* x, const void* y, const int64_t* offsets, const int64_t* rows,
                             int64_t R, const int32_t* batches, int64_t B, const void* anchor,
                             bool anchor_shared, const void* grad_scale, int64_t steps, double lr, double prox,
-                            cudaStream_t stream);
+                            void* scratch, int64_t scratch_rows, cudaStream_t stream);
 template <typename T>
 cudaError_t glm_gradients(int family, int64_t p, int64_t C, bool intercept, double l2, const void* theta,
-                          const void* x, const void* y, const int64_t* offsets, const int64_t* rows, int64_t R,
-                          const int32_t* batches, int64_t B, void* out, cudaStream_t stream);
+                          bool theta_shared, const void* x, const void* y, const int64_t* offsets,
+                          const int64_t* rows, int64_t R, const int32_t* batches, int64_t B, void* out,
+                          cudaStream_t stream);
 template <typename T>
 cudaError_t glm_evaluate(int family, int64_t p, int64_t C, bool intercept, double l2, const void* theta,
-                         const void* x, const void* y, const int64_t* offsets, const int64_t* rows, int64_t R,
-                         void* loss_sum, int64_t* correct, int64_t* count, cudaStream_t stream);
+                         bool theta_shared, const void* x, const void* y, const int64_t* offsets,
+                         const int64_t* rows, int64_t R, const int32_t* batches, int64_t B, void* loss_sum,
+                         int64_t* correct, int64_t* count, cudaStream_t stream);
 // csrc/cuda/anderson.cu
+int64_t anderson_scratch(int64_t D, int64_t k);
 template <typename T>
 cudaError_t anderson_push(const void* u, const void* tu, void* R_hist, void* TU_hist, int64_t D, int64_t slot,
-                          const int64_t* slots, int64_t k, double* dots, cudaStream_t stream);
+                          const int64_t* slots, int64_t k, double* dots, double* scratch, cudaStream_t stream);
 template <typename T>
-cudaError_t anderson_gram(const void* vecs, int64_t k, int64_t D, double* G, cudaStream_t stream);
+cudaError_t anderson_gram(const void* vecs, int64_t k, int64_t D, double* G, double* scratch, cudaStream_t stream);
 template <typename T>
 cudaError_t anderson_mix(const void* TU_hist, int64_t D, const int64_t* slots, const double* pi, int64_t k,
                          void* out, cudaStream_t stream);
@@ -111,15 +119,23 @@ void kmeans_assign(ptr_t points, ptr_t centroids, ptr_t labels, ptr_t sqdist, in
     check(err, op);
 }
 
+// float64 values of the scratch kmeans_update needs for this shape.
+int64_t kmeans_update_scratch(int64_t N, int64_t K, int64_t d) {
+    require(N >= 0 && K >= 1 && d >= 1, "kmeans_update_scratch",
+            "expected N >= 0, K >= 1, d >= 1, got " + std::to_string(N) + ", " + std::to_string(K) + ", " +
+                std::to_string(d));
+    return pc::kmeans_update_scratch(N, K, d);
+}
+
 void kmeans_update(ptr_t points, ptr_t order, ptr_t seg, ptr_t weights, ptr_t centroids, ptr_t wsum, int64_t N,
-                   int64_t K, int64_t d, const std::string& dtype, ptr_t stream) {
+                   int64_t K, int64_t d, ptr_t scratch, const std::string& dtype, ptr_t stream) {
     const std::string op = "kmeans_update";
     require(N >= 0 && K >= 1 && d >= 1, op,
             "expected N >= 0, K >= 1, d >= 1, got " + std::to_string(N) + ", " + std::to_string(K) + ", " +
                 std::to_string(d));
-    require((d + 255) / 256 <= 65535, op, "d is too large for the grid (at most 16,776,960 features)");
     const bool f64 = is_f64(dtype, op);
     require_pointer(seg, op, "seg");
+    require_pointer(scratch, op, "scratch");
     require_pointer(centroids, op, "centroids");
     require_pointer(wsum, op, "wsum");
     if (N > 0) {
@@ -131,10 +147,10 @@ void kmeans_update(ptr_t points, ptr_t order, ptr_t seg, ptr_t weights, ptr_t ce
         py::gil_scoped_release nogil;
         err = f64 ? pc::kmeans_update(as<const double>(points), as<const int64_t>(order), as<const int64_t>(seg),
                                       as<const double>(weights), as<double>(centroids), as<double>(wsum), N, K, d,
-                                      as_stream(stream))
+                                      as<double>(scratch), as_stream(stream))
                   : pc::kmeans_update(as<const float>(points), as<const int64_t>(order), as<const int64_t>(seg),
                                       as<const float>(weights), as<float>(centroids), as<double>(wsum), N, K, d,
-                                      as_stream(stream));
+                                      as<double>(scratch), as_stream(stream));
     }
     check(err, op);
 }
@@ -162,12 +178,15 @@ void check_glm(const std::string& op, int family, int64_t p, int64_t C, bool f64
 
 void local_steps(int family, int64_t p, int64_t C, bool intercept, double l2, ptr_t theta, ptr_t x, ptr_t y,
                  ptr_t offsets, ptr_t rows, int64_t R, ptr_t batches, int64_t B, ptr_t anchor, bool anchor_shared,
-                 ptr_t grad_scale, int64_t steps, double lr, double prox, const std::string& dtype, ptr_t stream) {
+                 ptr_t grad_scale, int64_t steps, double lr, double prox, ptr_t scratch, int64_t scratch_rows,
+                 const std::string& dtype, ptr_t stream) {
     const std::string op = "local_steps";
     const bool f64 = is_f64(dtype, op);
     check_glm(op, family, p, C, f64, theta, x, y, offsets, rows, R);
     require(steps >= 0, op, "steps must be >= 0");
     require(batches == 0 || B >= 1, op, "batches need B >= 1");
+    require(scratch_rows >= 0, op, "scratch_rows must be >= 0, got " + std::to_string(scratch_rows));
+    if (scratch_rows > 0) require_pointer(scratch, op, "scratch");
     cudaError_t err;
     {
         py::gil_scoped_release nogil;
@@ -176,16 +195,30 @@ void local_steps(int family, int64_t p, int64_t C, bool intercept, double l2, pt
             return pc::glm_local_steps<T>(family, p, C, intercept, l2, as(theta), as(x), as(y),
                                           as<const int64_t>(offsets), as<const int64_t>(rows), R,
                                           as<const int32_t>(batches), B, as(anchor), anchor_shared, as(grad_scale),
-                                          steps, lr, prox, as_stream(stream));
+                                          steps, lr, prox, as(scratch), scratch_rows, as_stream(stream));
         };
         err = f64 ? run(double{}) : run(float{});
     }
     check(err, op);
 }
 
+// Rows of scratch (of d values) local_steps needs for this shape on the current device; 0 when
+// the parameters fit shared memory.
+int64_t glm_scratch_rows(int family, int64_t p, int64_t C, bool intercept, const std::string& dtype) {
+    const std::string op = "glm_scratch_rows";
+    const bool f64 = is_f64(dtype, op);
+    require(family >= 0 && family <= 2, op, "family must be 0, 1 or 2, got " + std::to_string(family));
+    require(p >= 1 && C >= 1 && C <= pc::glm_max_classes(f64), op, "expected p >= 1 and 1 <= C <= max_classes");
+    int64_t rows = 0;
+    const cudaError_t err = f64 ? pc::glm_scratch_rows<double>(family, p, C, intercept, &rows)
+                                : pc::glm_scratch_rows<float>(family, p, C, intercept, &rows);
+    check(err, op);
+    return rows;
+}
+
 void gradients(int family, int64_t p, int64_t C, bool intercept, double l2, ptr_t theta, ptr_t x, ptr_t y,
-               ptr_t offsets, ptr_t rows, int64_t R, ptr_t batches, int64_t B, ptr_t out, const std::string& dtype,
-               ptr_t stream) {
+               ptr_t offsets, ptr_t rows, int64_t R, bool theta_shared, ptr_t batches, int64_t B, ptr_t out,
+               const std::string& dtype, ptr_t stream) {
     const std::string op = "gradients";
     const bool f64 = is_f64(dtype, op);
     check_glm(op, family, p, C, f64, theta, x, y, offsets, rows, R);
@@ -196,7 +229,7 @@ void gradients(int family, int64_t p, int64_t C, bool intercept, double l2, ptr_
         py::gil_scoped_release nogil;
         auto run = [&](auto tag) {
             using T = decltype(tag);
-            return pc::glm_gradients<T>(family, p, C, intercept, l2, as(theta), as(x), as(y),
+            return pc::glm_gradients<T>(family, p, C, intercept, l2, as(theta), theta_shared, as(x), as(y),
                                         as<const int64_t>(offsets), as<const int64_t>(rows), R,
                                         as<const int32_t>(batches), B, as(out), as_stream(stream));
         };
@@ -206,11 +239,12 @@ void gradients(int family, int64_t p, int64_t C, bool intercept, double l2, ptr_
 }
 
 void evaluate(int family, int64_t p, int64_t C, bool intercept, double l2, ptr_t theta, ptr_t x, ptr_t y,
-              ptr_t offsets, ptr_t rows, int64_t R, ptr_t loss_sum, ptr_t correct, ptr_t count,
-              const std::string& dtype, ptr_t stream) {
+              ptr_t offsets, ptr_t rows, int64_t R, bool theta_shared, ptr_t batches, int64_t B, ptr_t loss_sum,
+              ptr_t correct, ptr_t count, const std::string& dtype, ptr_t stream) {
     const std::string op = "evaluate";
     const bool f64 = is_f64(dtype, op);
     check_glm(op, family, p, C, f64, theta, x, y, offsets, rows, R);
+    require(batches == 0 || B >= 1, op, "batches need B >= 1");
     if (R > 0) {
         require_pointer(loss_sum, op, "loss_sum");
         require_pointer(correct, op, "correct");
@@ -221,9 +255,10 @@ void evaluate(int family, int64_t p, int64_t C, bool intercept, double l2, ptr_t
         py::gil_scoped_release nogil;
         auto run = [&](auto tag) {
             using T = decltype(tag);
-            return pc::glm_evaluate<T>(family, p, C, intercept, l2, as(theta), as(x), as(y),
-                                       as<const int64_t>(offsets), as<const int64_t>(rows), R, as(loss_sum),
-                                       as<int64_t>(correct), as<int64_t>(count), as_stream(stream));
+            return pc::glm_evaluate<T>(family, p, C, intercept, l2, as(theta), theta_shared, as(x), as(y),
+                                       as<const int64_t>(offsets), as<const int64_t>(rows), R,
+                                       as<const int32_t>(batches), B, as(loss_sum), as<int64_t>(correct),
+                                       as<int64_t>(count), as_stream(stream));
         };
         err = f64 ? run(double{}) : run(float{});
     }
@@ -232,8 +267,14 @@ void evaluate(int family, int64_t p, int64_t C, bool intercept, double l2, ptr_t
 
 // ---- Anderson ------------------------------------------------------------------------------
 
+// float64 values of the scratch anderson_push and gram need for D entries and k dots.
+int64_t anderson_scratch(int64_t D, int64_t k) {
+    require(D >= 0 && k >= 0, "anderson_scratch", "expected D, k >= 0");
+    return pc::anderson_scratch(D, k);
+}
+
 void anderson_push(ptr_t u, ptr_t tu, ptr_t R_hist, ptr_t TU_hist, int64_t D, int64_t slot, ptr_t slots, int64_t k,
-                   ptr_t dots, const std::string& dtype, ptr_t stream) {
+                   ptr_t dots, ptr_t scratch, const std::string& dtype, ptr_t stream) {
     const std::string op = "anderson_push";
     const bool f64 = is_f64(dtype, op);
     require(D >= 0 && k >= 0 && slot >= 0, op, "expected D, k, slot >= 0");
@@ -241,6 +282,7 @@ void anderson_push(ptr_t u, ptr_t tu, ptr_t R_hist, ptr_t TU_hist, int64_t D, in
         require_pointer(slots, op, "slots");
         require_pointer(dots, op, "dots");
     }
+    if (k > 0 && D > 0) require_pointer(scratch, op, "scratch");
     if (D > 0) {
         require_pointer(u, op, "u");
         require_pointer(tu, op, "tu");
@@ -251,9 +293,11 @@ void anderson_push(ptr_t u, ptr_t tu, ptr_t R_hist, ptr_t TU_hist, int64_t D, in
     {
         py::gil_scoped_release nogil;
         err = f64 ? pc::anderson_push<double>(as(u), as(tu), as(R_hist), as(TU_hist), D, slot,
-                                              as<const int64_t>(slots), k, as<double>(dots), as_stream(stream))
+                                              as<const int64_t>(slots), k, as<double>(dots), as<double>(scratch),
+                                              as_stream(stream))
                   : pc::anderson_push<float>(as(u), as(tu), as(R_hist), as(TU_hist), D, slot,
-                                             as<const int64_t>(slots), k, as<double>(dots), as_stream(stream));
+                                             as<const int64_t>(slots), k, as<double>(dots), as<double>(scratch),
+                                             as_stream(stream));
     }
     check(err, op);
 }
@@ -280,17 +324,20 @@ void anderson_mix(ptr_t TU_hist, int64_t D, ptr_t slots, ptr_t pi, int64_t k, pt
     check(err, op);
 }
 
-void gram(ptr_t vecs, int64_t k, int64_t D, ptr_t G, const std::string& dtype, ptr_t stream) {
+void gram(ptr_t vecs, int64_t k, int64_t D, ptr_t G, ptr_t scratch, const std::string& dtype, ptr_t stream) {
     const std::string op = "gram";
     const bool f64 = is_f64(dtype, op);
     require(k >= 1 && D >= 0, op, "expected k >= 1 and D >= 0");
     require_pointer(G, op, "G");
-    if (D > 0) require_pointer(vecs, op, "vecs");
+    if (D > 0) {
+        require_pointer(vecs, op, "vecs");
+        require_pointer(scratch, op, "scratch");
+    }
     cudaError_t err;
     {
         py::gil_scoped_release nogil;
-        err = f64 ? pc::anderson_gram<double>(as(vecs), k, D, as<double>(G), as_stream(stream))
-                  : pc::anderson_gram<float>(as(vecs), k, D, as<double>(G), as_stream(stream));
+        err = f64 ? pc::anderson_gram<double>(as(vecs), k, D, as<double>(G), as<double>(scratch), as_stream(stream))
+                  : pc::anderson_gram<float>(as(vecs), k, D, as<double>(G), as<double>(scratch), as_stream(stream));
     }
     check(err, op);
 }
@@ -364,38 +411,51 @@ PYBIND11_MODULE(_core_cuda, m) {
           "points [N, d] and centroids [K, d] are contiguous float32/float64 (dtype), labels "
           "[N] is int64, sqdist [N] has the dtype of points. N >= 0, K >= 1, d >= 1.");
     m.def("kmeans_update", &kmeans_update, py::arg("points"), py::arg("order"), py::arg("seg"), py::arg("weights"),
-          py::arg("centroids"), py::arg("wsum"), py::arg("N"), py::arg("K"), py::arg("d"), py::arg("dtype"),
-          py::arg("stream"),
+          py::arg("centroids"), py::arg("wsum"), py::arg("N"), py::arg("K"), py::arg("d"), py::arg("scratch"),
+          py::arg("dtype"), py::arg("stream"),
           "Lloyd update: wsum[k] (float64 [K]) = sum of the weights [N] (0 = all 1) of cluster k, "
           "centroids[k] ([K, d], in place) = their weighted mean where wsum[k] > 0. order [N] int64 "
-          "lists the points sorted by label (stable), seg [K + 1] int64 the start of each cluster's run.");
+          "lists the points sorted by label (stable), seg [K + 1] int64 the start of each cluster's run; "
+          "scratch: kmeans_update_scratch(N, K, d) float64 values.");
+    m.def("kmeans_update_scratch", &kmeans_update_scratch, py::arg("N"), py::arg("K"), py::arg("d"),
+          "float64 values of the scratch kmeans_update needs (chunk partial sums).");
     m.def("local_steps", &local_steps, py::arg("family"), py::arg("p"), py::arg("C"), py::arg("intercept"),
           py::arg("l2"), py::arg("theta"), py::arg("x"), py::arg("y"), py::arg("offsets"), py::arg("rows"),
           py::arg("R"), py::arg("batches"), py::arg("B"), py::arg("anchor"), py::arg("anchor_shared"),
-          py::arg("grad_scale"), py::arg("steps"), py::arg("lr"), py::arg("prox"), py::arg("dtype"),
-          py::arg("stream"),
+          py::arg("grad_scale"), py::arg("steps"), py::arg("lr"), py::arg("prox"), py::arg("scratch"),
+          py::arg("scratch_rows"), py::arg("dtype"), py::arg("stream"),
           "theta [R, d] <- `steps` fused gradient steps per model row, in place (see pflcore.ops.local_steps). "
           "x [N, p], y [N] (dtype or int64), offsets [m + 1] int64, rows [R] int64, batches [R, steps, B] int32 "
-          "or 0, anchor [R, d] or [d] (anchor_shared) or 0, grad_scale [R] or 0.");
+          "or 0, anchor [R, d] or [d] (anchor_shared) or 0, grad_scale [R] or 0, scratch [scratch_rows, d] of "
+          "dtype (scratch_rows >= 1 when glm_scratch_rows says so; the grid is capped at it) or 0.");
+    m.def("glm_scratch_rows", &glm_scratch_rows, py::arg("family"), py::arg("p"), py::arg("C"), py::arg("intercept"),
+          py::arg("dtype"),
+          "Rows of d values local_steps needs as scratch for this shape on the current device (one per "
+          "resident block): 0 when the parameters fit shared memory.");
     m.def("gradients", &gradients, py::arg("family"), py::arg("p"), py::arg("C"), py::arg("intercept"),
           py::arg("l2"), py::arg("theta"), py::arg("x"), py::arg("y"), py::arg("offsets"), py::arg("rows"),
-          py::arg("R"), py::arg("batches"), py::arg("B"), py::arg("out"), py::arg("dtype"), py::arg("stream"),
-          "out [R, d] <- gradient of each row's client objective (full batch, or batches [R, B] int32).");
+          py::arg("R"), py::arg("theta_shared"), py::arg("batches"), py::arg("B"), py::arg("out"), py::arg("dtype"),
+          py::arg("stream"),
+          "out [R, d] <- gradient of each row's client objective (full batch, or batches [R, B] int32) at theta "
+          "[R, d], or at theta [d] for every row (theta_shared).");
     m.def("evaluate", &evaluate, py::arg("family"), py::arg("p"), py::arg("C"), py::arg("intercept"),
           py::arg("l2"), py::arg("theta"), py::arg("x"), py::arg("y"), py::arg("offsets"), py::arg("rows"),
-          py::arg("R"), py::arg("loss_sum"), py::arg("correct"), py::arg("count"), py::arg("dtype"),
-          py::arg("stream"),
-          "loss_sum [R] (dtype), correct [R] and count [R] (int64) of each model row on its client's rows.");
+          py::arg("R"), py::arg("theta_shared"), py::arg("batches"), py::arg("B"), py::arg("loss_sum"),
+          py::arg("correct"), py::arg("count"), py::arg("dtype"), py::arg("stream"),
+          "loss_sum [R] (dtype), correct [R] and count [R] (int64) of each model row (theta [R, d], or [d] for "
+          "every row: theta_shared) on its client's rows, or on batches [R, B] int32 (count = B).");
+    m.def("anderson_scratch", &anderson_scratch, py::arg("D"), py::arg("k"),
+          "float64 values of the scratch anderson_push and gram need (per-block partial dots).");
     m.def("anderson_push", &anderson_push, py::arg("u"), py::arg("tu"), py::arg("R_hist"), py::arg("TU_hist"),
-          py::arg("D"), py::arg("slot"), py::arg("slots"), py::arg("k"), py::arg("dots"), py::arg("dtype"),
-          py::arg("stream"),
+          py::arg("D"), py::arg("slot"), py::arg("slots"), py::arg("k"), py::arg("dots"), py::arg("scratch"),
+          py::arg("dtype"), py::arg("stream"),
           "R_hist[slot] <- tu - u, TU_hist[slot] <- tu ([H, D]); dots [k] float64 <- <R_hist[slots[j]], tu - u> "
           "with slots [k] int64 (deterministic float64 sums).");
     m.def("anderson_mix", &anderson_mix, py::arg("TU_hist"), py::arg("D"), py::arg("slots"), py::arg("pi"),
           py::arg("k"), py::arg("out"), py::arg("dtype"), py::arg("stream"),
           "out [D] <- sum_j pi[j] * TU_hist[slots[j]] (pi [k] float64, float64 accumulation).");
-    m.def("gram", &gram, py::arg("vecs"), py::arg("k"), py::arg("D"), py::arg("G"), py::arg("dtype"),
-          py::arg("stream"), "G [k, k] float64 <- Gram matrix of vecs [k, D] (deterministic float64 sums).");
+    m.def("gram", &gram, py::arg("vecs"), py::arg("k"), py::arg("D"), py::arg("G"), py::arg("scratch"),
+          py::arg("dtype"), py::arg("stream"), "G [k, k] float64 <- Gram matrix of vecs [k, D] (deterministic float64 sums).");
     m.def("device_count", &device_count,
           "Number of visible CUDA devices; 0 when there is none or no usable driver.");
     m.def("runtime_status", &runtime_status,

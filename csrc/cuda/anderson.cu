@@ -119,46 +119,46 @@ mix_kernel(const T* __restrict__ TU_hist,     // [H, D]
 
 int64_t num_blocks(int64_t D) { return (D + kBlockElems - 1) / kBlockElems; }
 
-// dots [k] (device) of r with rows of R_hist; partial sums in a stream-ordered scratch.
+// dots [k] (device) of r with rows of R_hist; the partial sums [nblk, k] go to the caller's
+// scratch (allocated by torch's caching allocator on this stream: reused in stream order; the
+// runtime's default cudaMallocAsync pool has a release threshold of 0 and hands its memory back
+// at every synchronization, so each call would map fresh memory).
 template <typename T, bool STORE>
 cudaError_t dots(const T* u, const T* tu, T* R_hist, T* TU_hist, int64_t D, int64_t slot,
-                 const int64_t* slots, int64_t k, double* out, cudaStream_t stream) {
+                 const int64_t* slots, int64_t k, double* out, double* partial, cudaStream_t stream) {
     if (k == 0 || D == 0) return k == 0 ? cudaSuccess : cudaMemsetAsync(out, 0, k * sizeof(double), stream);
     const int64_t nblk = num_blocks(D);
-    if (nblk > 0x7fffffff || k > 0x7fffffff) return cudaErrorInvalidValue;
-    void* buf = nullptr;
-    cudaError_t err = cudaMallocAsync(&buf, static_cast<size_t>(nblk * k) * sizeof(double), stream);
-    if (err != cudaSuccess) return err;
-    double* partial = static_cast<double*>(buf);
+    if (nblk > 0x7fffffff || k > 0x7fffffff || !partial) return cudaErrorInvalidValue;
     dots_kernel<T, STORE><<<static_cast<unsigned>(nblk), kThreads, 0, stream>>>(u, tu, R_hist, TU_hist, D, slot,
                                                                                 slots, k, partial);
-    err = cudaGetLastError();
-    if (err == cudaSuccess) {
-        sum_partials_kernel<<<static_cast<unsigned>(k), kThreads, 0, stream>>>(partial, nblk, k, out);
-        err = cudaGetLastError();
-    }
-    const cudaError_t free_err = cudaFreeAsync(partial, stream);
-    return err != cudaSuccess ? err : free_err;
+    cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+    sum_partials_kernel<<<static_cast<unsigned>(k), kThreads, 0, stream>>>(partial, nblk, k, out);
+    return cudaGetLastError();
 }
 
 }  // namespace
 
+// float64 values of the scratch of anderson_push and gram for D entries and k dots.
+int64_t anderson_scratch(int64_t D, int64_t k) { return num_blocks(D) * k; }
+
 template <typename T>
 cudaError_t anderson_push(const void* u, const void* tu, void* R_hist, void* TU_hist, int64_t D, int64_t slot,
-                          const int64_t* slots, int64_t k, double* dots_out, cudaStream_t stream) {
+                          const int64_t* slots, int64_t k, double* dots_out, double* scratch, cudaStream_t stream) {
     if (D == 0) return k == 0 ? cudaSuccess : cudaMemsetAsync(dots_out, 0, k * sizeof(double), stream);
     return dots<T, true>(static_cast<const T*>(u), static_cast<const T*>(tu), static_cast<T*>(R_hist),
-                         static_cast<T*>(TU_hist), D, slot, slots, k, dots_out, stream);
+                         static_cast<T*>(TU_hist), D, slot, slots, k, dots_out, scratch, stream);
 }
 
 template <typename T>
-cudaError_t anderson_gram(const void* vecs, int64_t k, int64_t D, double* G, cudaStream_t stream) {
+cudaError_t anderson_gram(const void* vecs, int64_t k, int64_t D, double* G, double* scratch, cudaStream_t stream) {
     // Row a of G: the dots of vecs[a] with every row. G is symmetric bit for bit: each entry is
-    // the same products summed in the same order.
+    // the same products summed in the same order. The rows reuse one scratch: their launches
+    // are ordered on the stream.
     const T* v = static_cast<const T*>(vecs);
     for (int64_t a = 0; a < k; ++a) {
         const cudaError_t err = dots<T, false>(v + a * D, nullptr, const_cast<T*>(v), nullptr, D, 0, nullptr, k,
-                                               G + a * k, stream);
+                                               G + a * k, scratch, stream);
         if (err != cudaSuccess) return err;
     }
     return cudaSuccess;
@@ -176,11 +176,11 @@ cudaError_t anderson_mix(const void* TU_hist, int64_t D, const int64_t* slots, c
 }
 
 template cudaError_t anderson_push<float>(const void*, const void*, void*, void*, int64_t, int64_t,
-                                          const int64_t*, int64_t, double*, cudaStream_t);
+                                          const int64_t*, int64_t, double*, double*, cudaStream_t);
 template cudaError_t anderson_push<double>(const void*, const void*, void*, void*, int64_t, int64_t,
-                                           const int64_t*, int64_t, double*, cudaStream_t);
-template cudaError_t anderson_gram<float>(const void*, int64_t, int64_t, double*, cudaStream_t);
-template cudaError_t anderson_gram<double>(const void*, int64_t, int64_t, double*, cudaStream_t);
+                                           const int64_t*, int64_t, double*, double*, cudaStream_t);
+template cudaError_t anderson_gram<float>(const void*, int64_t, int64_t, double*, double*, cudaStream_t);
+template cudaError_t anderson_gram<double>(const void*, int64_t, int64_t, double*, double*, cudaStream_t);
 template cudaError_t anderson_mix<float>(const void*, int64_t, const int64_t*, const double*, int64_t, void*,
                                          cudaStream_t);
 template cudaError_t anderson_mix<double>(const void*, int64_t, const int64_t*, const double*, int64_t, void*,

@@ -8,6 +8,7 @@
 //   labels[i]  = argmin_k dist(i, k), ties to the lowest k; a NaN distance wins like in
 //                torch.argmin (the first k whose distance is NaN).
 // The N x K distance matrix is never formed: the argmin is fused into the distance loop.
+// The update: see kmeans_update below.
 //
 // Layout: a block is kWarps warps, each warp owns kRows consecutive points. Centroids are
 // taken kTile at a time; for each such tile the d axis is walked in chunks of kChunk dims,
@@ -148,58 +149,180 @@ cudaError_t launch_kmeans_assign(const T* points, const T* centroids, int64_t* l
     return cudaGetLastError();
 }
 
-// Lloyd update as a segmented reduction. Python sorts the point indices by label (stable):
-// order [N], and seg [K + 1] holds the start of each cluster's run in order. Block (k, jt)
-// owns cluster k and the features j = jt·kThreads + threadIdx.x; it walks the cluster's run in
-// order, so every sum has a fixed order (float64, no atomics):
-//   wsum[k] = Σ_t w_t,   centroids[k, j] = Σ_t w_t·x_{t, j} / wsum[k]   (kept when wsum[k] = 0)
-// Consecutive threads read consecutive features of a point: coalesced.
+// Lloyd update as a segmented reduction split across blocks. Python sorts the point indices by
+// label (stable): order [N], and seg [K + 1] holds the start of each cluster's run in order.
+// Each run is cut into chunks of L consecutive entries (the last one shorter), numbered run by
+// run: cluster k owns chunks cstart[k] .. cstart[k + 1] - 1, in run order. Then
+//   pass 0 (one block):  cstart[k + 1] = Σ_{k' <= k} ceil(len_k' / L)   (device-side: no sync)
+//   pass 1, block (b, jt): partial[b, j] = Σ_{t in chunk b} w_t·x_{t, j},  pw[b] = Σ w_t
+//                          for the features j = jt·kThreads + tid, t ascending
+//   pass 2, block (jt, k): wsum[k] = Σ_b pw[b], centroids[k, j] = Σ_b partial[b, j] / wsum[k]
+//                          (kept when wsum[k] = 0), b ascending over the cluster's chunks
+// Every sum is float64 in a fixed order and nothing is atomic: bitwise identical run to run.
+// A cluster of 10^5 points is ~100 chunks, so a few clusters still fill the device; one chunk's
+// indices and weights are staged in shared memory 256 at a time (one load each, not one per
+// feature), then consecutive threads read consecutive features of each point: coalesced.
+// L depends on N only (not on the device), so the sums' grouping is the same on every GPU.
+constexpr int64_t kTargetChunks = 1024;  // about this many chunks over all clusters (plus one per cluster)
+constexpr int64_t kMinChunk = 256;       // shortest chunk: below it the partials cost more than they save
+
+int64_t chunk_length(int64_t N) {
+    const int64_t L = (N + kTargetChunks - 1) / kTargetChunks;
+    return L > kMinChunk ? L : kMinChunk;
+}
+
+// Chunks of all clusters together, at most: Σ_k ceil(len_k / L) <= ceil(N / L) + K.
+int64_t chunk_bound(int64_t N, int64_t K) { return (N + chunk_length(N) - 1) / chunk_length(N) + K; }
+
+// cstart [K + 1] <- 0, then the running sum of each cluster's chunk count (a block-wide
+// inclusive scan, kThreads clusters at a time, carried across tiles).
+__global__ void __launch_bounds__(kThreads)
+chunk_starts_kernel(const int64_t* __restrict__ seg,  // [K + 1]
+                    int64_t K, int64_t L,
+                    int64_t* __restrict__ cstart)     // [K + 1]
+{
+    __shared__ int64_t warp_total[kWarps];
+    __shared__ int64_t carry;  // chunks of the clusters before this tile
+    const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
+    if (tid == 0) {
+        carry = 0;
+        cstart[0] = 0;
+    }
+    __syncthreads();
+    for (int64_t k0 = 0; k0 < K; k0 += kThreads) {
+        const int64_t k = k0 + tid;
+        int64_t v = k < K ? (seg[k + 1] - seg[k] + L - 1) / L : 0;
+#pragma unroll
+        for (int off = 1; off < kWarpSize; off <<= 1) {
+            const int64_t u = __shfl_up_sync(0xffffffffu, v, off);
+            if (lane >= off) v += u;
+        }
+        if (lane == kWarpSize - 1) warp_total[warp] = v;
+        __syncthreads();
+        int64_t before = carry;
+        for (int w = 0; w < warp; ++w) before += warp_total[w];
+        if (k < K) cstart[k + 1] = before + v;
+        __syncthreads();  // every thread has read carry and warp_total
+        if (tid == kThreads - 1) carry = before + v;  // the tile's total (clusters past K add 0)
+        __syncthreads();
+    }
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
-kmeans_update_kernel(const T* __restrict__ points,        // [N, d]
-                     const int64_t* __restrict__ order,   // [N] point indices sorted by label
-                     const int64_t* __restrict__ seg,     // [K + 1] runs of the clusters in order
-                     const T* __restrict__ weights,       // [N] or null (all 1)
-                     T* __restrict__ centroids,           // [K, d]
-                     double* __restrict__ wsum,           // [K]
-                     int64_t d)
+chunk_sums_kernel(const T* __restrict__ points,        // [N, d]
+                  const int64_t* __restrict__ order,   // [N] point indices sorted by label
+                  const int64_t* __restrict__ seg,     // [K + 1] runs of the clusters in order
+                  const int64_t* __restrict__ cstart,  // [K + 1] first chunk of each cluster
+                  const T* __restrict__ weights,       // [N] or null (all 1)
+                  int64_t K, int64_t d, int64_t L,
+                  double* __restrict__ partial,        // [bound, d] chunk sums
+                  double* __restrict__ pw)             // [bound] chunk weight sums
 {
-    const int64_t k = blockIdx.x;
-    const int64_t j = int64_t(blockIdx.y) * kThreads + threadIdx.x;
-    const int64_t s0 = seg[k], s1 = seg[k + 1];
-    double acc = 0.0, wacc = 0.0;  // every thread sums the weights too: same loads, no sync
-    for (int64_t t = s0; t < s1; ++t) {
-        const int64_t idx = order[t];
-        const double w = weights ? double(weights[idx]) : 1.0;
-        wacc += w;
-        if (j < d) acc += w * double(points[idx * d + j]);
+    __shared__ int64_t sidx[kThreads];  // a tile of the chunk's point indices
+    __shared__ double sw[kThreads];     // and their weights
+    const int tid = threadIdx.x;
+    const int64_t b = blockIdx.x;
+    if (b >= cstart[K]) return;  // the grid is a bound on the chunks; uniform over the block
+    // the cluster of chunk b: cstart[k] <= b < cstart[k + 1] (clusters without chunks are skipped)
+    int64_t lo = 0, hi = K;  // cstart[lo] <= b < cstart[hi]
+    while (hi - lo > 1) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        if (cstart[mid] <= b) lo = mid; else hi = mid;
     }
-    if (blockIdx.y == 0 && threadIdx.x == 0) wsum[k] = wacc;
-    if (j < d && wacc > 0.0) centroids[k * d + j] = T(acc / wacc);
+    const int64_t t_begin = seg[lo] + (b - cstart[lo]) * L;
+    const int64_t t_end = t_begin + L < seg[lo + 1] ? t_begin + L : seg[lo + 1];
+    const int64_t col_tiles = (d + kThreads - 1) / kThreads;
+    for (int64_t jt = blockIdx.y; jt < col_tiles; jt += gridDim.y) {  // gridDim.y <= 65,535: stride past it
+        const int64_t j = jt * kThreads + tid;
+        double acc = 0.0, wacc = 0.0;
+        for (int64_t t0 = t_begin; t0 < t_end; t0 += kThreads) {
+            const int n = static_cast<int>(t_end - t0 < kThreads ? t_end - t0 : kThreads);
+            __syncthreads();  // the previous tile is consumed
+            if (tid < n) {
+                const int64_t idx = order[t0 + tid];
+                sidx[tid] = idx;
+                sw[tid] = weights ? double(weights[idx]) : 1.0;
+            }
+            __syncthreads();
+            for (int q = 0; q < n; ++q) {
+                const double w = sw[q];
+                wacc += w;
+                if (j < d) acc += w * double(points[sidx[q] * d + j]);
+            }
+        }
+        if (j < d) partial[b * d + j] = acc;
+        if (jt == 0 && tid == 0) pw[b] = wacc;
+    }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+combine_chunks_kernel(const double* __restrict__ partial,  // [bound, d]
+                      const double* __restrict__ pw,       // [bound]
+                      const int64_t* __restrict__ cstart,  // [K + 1]
+                      int64_t K, int64_t d,
+                      T* __restrict__ centroids,           // [K, d]
+                      double* __restrict__ wsum)           // [K]
+{
+    const int64_t j = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+    for (int64_t k = blockIdx.y; k < K; k += gridDim.y) {  // gridDim.y <= 65,535: stride past it
+        const int64_t b0 = cstart[k], b1 = cstart[k + 1];
+        double acc = 0.0, wacc = 0.0;  // every thread sums the weights too: same loads, no sync
+        for (int64_t b = b0; b < b1; ++b) {
+            wacc += pw[b];
+            if (j < d) acc += partial[b * d + j];
+        }
+        if (blockIdx.x == 0 && threadIdx.x == 0) wsum[k] = wacc;
+        if (j < d && wacc > 0.0) centroids[k * d + j] = T(acc / wacc);
+    }
+}
+
+// float64 values of the scratch a kmeans_update of this shape needs: partial [bound, d], pw
+// [bound] and cstart [K + 1] (int64, stored in the same 8-byte slots).
+int64_t update_scratch(int64_t N, int64_t K, int64_t d) {
+    const int64_t bound = chunk_bound(N, K);
+    return bound * d + bound + K + 1;
 }
 
 template <typename T>
 cudaError_t launch_kmeans_update(const T* points, const int64_t* order, const int64_t* seg, const T* weights,
-                                 T* centroids, double* wsum, int64_t N, int64_t K, int64_t d,
+                                 T* centroids, double* wsum, int64_t N, int64_t K, int64_t d, double* scratch,
                                  cudaStream_t stream) {
-    if (N < 0 || K < 1 || d < 1) return cudaErrorInvalidValue;
+    if (N < 0 || K < 1 || d < 1 || !scratch) return cudaErrorInvalidValue;
+    const int64_t L = chunk_length(N), bound = chunk_bound(N, K);
     const int64_t col_tiles = (d + kThreads - 1) / kThreads;
-    if (K > 0x7fffffff || col_tiles > 65535) return cudaErrorInvalidValue;  // gridDim limits
-    const dim3 grid(static_cast<unsigned>(K), static_cast<unsigned>(col_tiles));
-    kmeans_update_kernel<T><<<grid, kThreads, 0, stream>>>(points, order, seg, weights, centroids, wsum, d);
+    const int64_t max_x = 0x7fffffff, max_yz = 65535;  // gridDim limits
+    if (bound > max_x || col_tiles > max_x) return cudaErrorInvalidValue;
+    double* partial = scratch;                                        // [bound, d]
+    double* pw = scratch + bound * d;                                 // [bound]
+    int64_t* cstart = reinterpret_cast<int64_t*>(pw + bound);         // [K + 1]
+    chunk_starts_kernel<<<1, kThreads, 0, stream>>>(seg, K, L, cstart);
+    cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+    const dim3 grid1(static_cast<unsigned>(bound), static_cast<unsigned>(col_tiles < max_yz ? col_tiles : max_yz));
+    chunk_sums_kernel<T><<<grid1, kThreads, 0, stream>>>(points, order, seg, cstart, weights, K, d, L, partial, pw);
+    err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+    const dim3 grid2(static_cast<unsigned>(col_tiles), static_cast<unsigned>(K < max_yz ? K : max_yz));
+    combine_chunks_kernel<T><<<grid2, kThreads, 0, stream>>>(partial, pw, cstart, K, d, centroids, wsum);
     return cudaGetLastError();
 }
 
 }  // namespace
 
+int64_t kmeans_update_scratch(int64_t N, int64_t K, int64_t d) { return update_scratch(N, K, d); }
+
 cudaError_t kmeans_update(const float* points, const int64_t* order, const int64_t* seg, const float* weights,
-                          float* centroids, double* wsum, int64_t N, int64_t K, int64_t d, cudaStream_t stream) {
-    return launch_kmeans_update<float>(points, order, seg, weights, centroids, wsum, N, K, d, stream);
+                          float* centroids, double* wsum, int64_t N, int64_t K, int64_t d, double* scratch,
+                          cudaStream_t stream) {
+    return launch_kmeans_update<float>(points, order, seg, weights, centroids, wsum, N, K, d, scratch, stream);
 }
 
 cudaError_t kmeans_update(const double* points, const int64_t* order, const int64_t* seg, const double* weights,
-                          double* centroids, double* wsum, int64_t N, int64_t K, int64_t d, cudaStream_t stream) {
-    return launch_kmeans_update<double>(points, order, seg, weights, centroids, wsum, N, K, d, stream);
+                          double* centroids, double* wsum, int64_t N, int64_t K, int64_t d, double* scratch,
+                          cudaStream_t stream) {
+    return launch_kmeans_update<double>(points, order, seg, weights, centroids, wsum, N, K, d, scratch, stream);
 }
 
 cudaError_t kmeans_assign(const float* points, const float* centroids, int64_t* labels,

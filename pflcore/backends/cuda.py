@@ -19,7 +19,6 @@ import torch
 
 from pflcore.backends import _values
 from pflcore.backends.base import Adapter, evaluation_outputs, label_segments
-from pflcore.backends.reference import ReferenceAdapter
 from pflcore.errors import CudaKernelError
 
 
@@ -117,8 +116,16 @@ def usable(module):
     return module, ""
 
 
+def model_rows(theta: torch.Tensor, data, rows: Optional[torch.Tensor]) -> int:
+    """R: the model rows of a call; ``theta`` [d] is one model for every row (the kernels read it
+    with row stride 0, no [R, d] copy)."""
+    if theta.dim() == 1:
+        return data.offsets.numel() - 1 if rows is None else rows.numel()
+    return theta.shape[0]
+
+
 def glm_args(model, theta: torch.Tensor, data, rows: Optional[torch.Tensor]) -> tuple:
-    """The leading arguments of _core_cuda.local_steps / gradients / evaluate (rows
+    """The leading arguments of _core_cuda.local_steps / gradients / evaluate, up to R (rows
     materialized: the kernels index them)."""
     dev, dt = theta.device, theta.dtype
     if rows is None:
@@ -126,12 +133,23 @@ def glm_args(model, theta: torch.Tensor, data, rows: Optional[torch.Tensor]) -> 
     y_dtype = torch.int64 if model.is_classifier else dt
     return (model.code, model.p, model.C, model.fit_intercept, model.l2, ptr(theta, "theta", dev, dt),
             ptr(data.x, "x", dev, dt), ptr(data.y, "y", dev, y_dtype),
-            ptr(data.offsets, "offsets", dev, torch.int64), ptr(rows, "rows", dev, torch.int64), theta.shape[0])
+            ptr(data.offsets, "offsets", dev, torch.int64), ptr(rows, "rows", dev, torch.int64),
+            model_rows(theta, data, rows))
+
+
+def scratch(values: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Scratch memory of a kernel from torch's caching allocator, on the current stream: freed
+    when the caller drops it, reused in stream order by later work (the module allocates none)."""
+    return torch.empty(max(values, 1), dtype=dtype, device=device)
 
 
 class CudaAdapter(Adapter):
     name = "cuda"
     devices = ("cuda",)
+
+    def __init__(self):
+        super().__init__()
+        self._scratch_cache = {}  # (module, device, dtype, GLM shape) -> glm_scratch_rows
 
     def _load(self):
         try:
@@ -165,6 +183,16 @@ class CudaAdapter(Adapter):
                     f"C = {most} classes in {_dtype(dtype)}")
         return None
 
+    def _scratch_rows(self, model, dtype, dev) -> int:
+        """Scratch rows of a local_steps launch (0 when the parameters fit shared memory): a
+        function of the module, the device and the shape, asked once per combination."""
+        key = (id(self.module), dev.index, dtype, model.code, model.p, model.C, model.fit_intercept)
+        rows = self._scratch_cache.get(key)
+        if rows is None:
+            rows = int(self.module.glm_scratch_rows(model.code, model.p, model.C, model.fit_intercept, _dtype(dtype)))
+            self._scratch_cache[key] = rows
+        return rows
+
     def local_steps(self, model, theta, data, rows, batches, anchor, grad_scale, steps, lr, prox, trusted=False):
         if steps == 0:
             return
@@ -172,33 +200,35 @@ class CudaAdapter(Adapter):
             _values.glm_fault(model, theta, data, rows, batches, anchor, grad_scale)
         dev, dt = theta.device, theta.dtype
         with torch.cuda.device(dev):
+            # G of each resident block when W and G do not fit shared memory: [min(R, rows), d]
+            n_scratch = min(theta.shape[0], self._scratch_rows(model, dt, dev))
+            buf = scratch(n_scratch * model.d, dt, dev) if n_scratch else None
             launch("local_steps", self.module.local_steps, *glm_args(model, theta, data, rows),
                    ptr(batches, "batches", dev, torch.int32), 0 if batches is None else batches.shape[2],
                    ptr(anchor, "anchor", dev, dt), anchor is not None and anchor.dim() == 1,
-                   ptr(grad_scale, "grad_scale", dev, dt), steps, lr, prox, dtype_name(theta), stream(theta))
+                   ptr(grad_scale, "grad_scale", dev, dt), steps, lr, prox, ptr(buf, "scratch", dev, dt),
+                   n_scratch, dtype_name(theta), stream(theta))
 
     def gradients(self, model, theta, data, rows, batches, trusted=False):
         if not trusted:  # the run's own draws: no pre-pass, no host sync (see _values.py)
             _values.glm_fault(model, theta, data, rows, batches)
-        theta = _values.one_per_row(theta, data, rows)
-        out = torch.empty_like(theta)
         dev = theta.device
+        out = torch.empty(model_rows(theta, data, rows), model.d, dtype=theta.dtype, device=dev)
         with torch.cuda.device(dev):
-            launch("gradients", self.module.gradients, *glm_args(model, theta, data, rows),
+            launch("gradients", self.module.gradients, *glm_args(model, theta, data, rows), theta.dim() == 1,
                    ptr(batches, "batches", dev, torch.int32), 0 if batches is None else batches.shape[1],
                    ptr(out, "out", dev, theta.dtype), dtype_name(theta), stream(theta))
         return out
 
     def evaluate(self, model, theta, data, rows, batches=None, trusted=False):
-        if batches is not None:  # the kernel evaluates whole clients: a sample of rows goes to torch
-            return ReferenceAdapter().evaluate(model, theta, data, rows, batches, trusted)
+        """One launch, whole clients or ``batches`` [R, B] (a sample of each row's client)."""
         if not trusted:  # the run's own draws: no pre-pass, no host sync (see _values.py)
-            _values.glm_fault(model, theta, data, rows)
-        theta = _values.one_per_row(theta, data, rows)
+            _values.glm_fault(model, theta, data, rows, batches)
         dev = theta.device
-        loss, correct, count = evaluation_outputs(theta.shape[0], theta.dtype, dev)
+        loss, correct, count = evaluation_outputs(model_rows(theta, data, rows), theta.dtype, dev)
         with torch.cuda.device(dev):
-            launch("evaluate", self.module.evaluate, *glm_args(model, theta, data, rows),
+            launch("evaluate", self.module.evaluate, *glm_args(model, theta, data, rows), theta.dim() == 1,
+                   ptr(batches, "batches", dev, torch.int32), 0 if batches is None else batches.shape[1],
                    ptr(loss, "loss", dev, theta.dtype), ptr(correct, "correct", dev, torch.int64),
                    ptr(count, "count", dev, torch.int64), dtype_name(theta), stream(theta))
         return loss, correct, count
@@ -223,11 +253,13 @@ class CudaAdapter(Adapter):
         wsum = torch.empty(K, dtype=torch.float64, device=points.device)
         order, seg = label_segments(labels, K)
         dev, dt = points.device, points.dtype
+        N, d = points.shape
         with torch.cuda.device(dev):
+            buf = scratch(self.module.kmeans_update_scratch(N, K, d), torch.float64, dev)  # chunk partial sums
             launch("kmeans_update", self.module.kmeans_update, ptr(points, "points", dev, dt),
                    ptr(order, "order", dev, torch.int64), ptr(seg, "seg", dev, torch.int64),
                    ptr(weights, "weights", dev, dt), ptr(centroids, "centroids", dev, dt),
-                   ptr(wsum, "wsum", dev, torch.float64), points.shape[0], K, points.shape[1],
+                   ptr(wsum, "wsum", dev, torch.float64), N, K, d, ptr(buf, "scratch", dev, torch.float64),
                    dtype_name(points), stream(points))
         return wsum
 
@@ -237,10 +269,12 @@ class CudaAdapter(Adapter):
         order = torch.tensor(slots, dtype=torch.int64, device=dev)
         dots = torch.empty(len(slots), dtype=torch.float64, device=dev)
         with torch.cuda.device(dev):
+            buf = scratch(self.module.anderson_scratch(u.numel(), len(slots)), torch.float64, dev)
             launch("Anderson.step", self.module.anderson_push, ptr(u, "u", dev, dt), ptr(tu, "tu", dev, dt),
                    ptr(R_hist, "residual history", dev, dt), ptr(TU_hist, "image history", dev, dt), u.numel(),
                    slot, ptr(order, "slots", dev, torch.int64), len(slots),
-                   ptr(dots, "dots", dev, torch.float64), dtype_name(u), stream(u))
+                   ptr(dots, "dots", dev, torch.float64), ptr(buf, "scratch", dev, torch.float64),
+                   dtype_name(u), stream(u))
         return dots.cpu()
 
     def anderson_mix(self, TU_hist, slots: List[int], pi):
@@ -258,6 +292,8 @@ class CudaAdapter(Adapter):
         k, dev = vecs.shape[0], vecs.device
         G = torch.empty(k, k, dtype=torch.float64, device=dev)
         with torch.cuda.device(dev):
+            buf = scratch(self.module.anderson_scratch(vecs.shape[1], k), torch.float64, dev)
             launch("anderson_weights", self.module.gram, ptr(vecs, "residuals", dev, vecs.dtype), k, vecs.shape[1],
-                   ptr(G, "G", dev, torch.float64), dtype_name(vecs), stream(vecs))
+                   ptr(G, "G", dev, torch.float64), ptr(buf, "scratch", dev, torch.float64), dtype_name(vecs),
+                   stream(vecs))
         return G.cpu()

@@ -1,0 +1,172 @@
+"""What the CUDA adapter hands pflcore._core_cuda, checked without a GPU (DESIGN.md §8): a
+stand-in module records every call, ``ptr`` gives each tensor back under its argument name, and
+the adapter runs on CPU tensors. One launch per call (evaluate on minibatches too), a shared
+model [d] passed as it is (row stride 0, no [R, d] copy), scratch from torch sized by the
+module, values checked before any launch. tests/gpu/test_cuda_scale.py runs the real kernels."""
+from __future__ import annotations
+
+import contextlib
+import types
+
+import pytest
+import torch
+
+from conftest import make_data, make_model
+from pflcore import backend, ops
+from pflcore.backends import _values
+from pflcore.backends import cuda as _cuda
+
+
+class _Ptr:
+    """What the stand-in module gets for a tensor: its name and the tensor itself."""
+
+    def __init__(self, t, name):
+        self.t, self.name = t, name
+
+
+class _Module:
+    """A stand-in for pflcore._core_cuda that records its calls."""
+
+    def __init__(self, scratch_rows=0):
+        self.calls = []
+        self.scratch_rows_asked = 0
+        self._scratch_rows = scratch_rows
+
+    def __getattr__(self, op):
+        if op.startswith("_"):
+            raise AttributeError(op)
+        return lambda *args: self.calls.append((op, args))
+
+    def glm_scratch_rows(self, family, p, C, intercept, dtype):
+        self.scratch_rows_asked += 1
+        return self._scratch_rows
+
+    def kmeans_update_scratch(self, N, K, d):
+        return 1000 * N + 10 * K + d
+
+    def anderson_scratch(self, D, k):
+        return 100 * D + k
+
+    def build_info(self):
+        return {"max_classes": (2048, 1024), "architectures": "80,90", "cuda_runtime_version": 13000}
+
+
+@pytest.fixture
+def adapter(monkeypatch):
+    """The cuda adapter on CPU tensors with a recording stand-in module."""
+    a = _cuda.CudaAdapter()
+    mod = _Module()
+    monkeypatch.setattr(a, "_state", (mod, ""))
+    monkeypatch.setattr(_cuda, "ptr", lambda t, name, device, dtype=None: None if t is None else _Ptr(t, name))
+    monkeypatch.setattr(_cuda, "stream", lambda t: 0)
+    monkeypatch.setattr(torch.cuda, "device", lambda dev: contextlib.nullcontext())
+    monkeypatch.setattr(_values, "one_per_row", lambda *a: pytest.fail("one_per_row copies a shared model"))
+    return a
+
+
+# evaluate / gradients after glm_args' 11 leading arguments (family .. R)
+_EVAL = ["theta_shared", "batches", "B", "loss_sum", "correct", "count", "dtype", "stream"]
+_GRAD = ["theta_shared", "batches", "B", "out", "dtype", "stream"]
+_LEAD = ["family", "p", "C", "intercept", "l2", "theta", "x", "y", "offsets", "rows", "R"]
+
+
+def _named(args, names):
+    assert len(args) == len(names), (len(args), names)
+    return dict(zip(names, args))
+
+
+def _glm(dtype=torch.float64, sizes=(3, 5, 2)):
+    model = make_model("softmax", 4, 3, l2=0.1)
+    return model, make_data(model, list(sizes), dtype, seed=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_evaluate_on_batches_is_one_launch_with_the_batches(adapter, dtype):
+    model, data = _glm(dtype)
+    rows = torch.tensor([2, 0, 2, 1])
+    theta = torch.randn(4, model.d, dtype=dtype)
+    with backend.use("reference"):
+        batches = ops.sample_batches(data, steps=1, batch_size=6, seed=0, counter=0, clients=rows).reshape(4, 6)
+    loss, correct, count = adapter.evaluate(model, theta, data, rows, batches)
+    assert [c[0] for c in adapter.module.calls] == ["evaluate"]
+    a = _named(adapter.module.calls[0][1], _LEAD + _EVAL)
+    assert a["theta"].t is theta and a["rows"].t is rows and a["R"] == 4
+    assert a["theta_shared"] is False
+    assert a["batches"].t is batches and a["B"] == 6
+    assert a["loss_sum"].t is loss and a["correct"].t is correct and a["count"].t is count
+    assert loss.shape == (4,) and loss.dtype == dtype and correct.dtype == count.dtype == torch.int64
+    assert a["dtype"] == str(dtype).replace("torch.", "")
+
+
+def test_evaluate_without_batches_passes_none(adapter):
+    model, data = _glm()
+    adapter.evaluate(model, torch.zeros(3, model.d, dtype=torch.float64), data, None)
+    a = _named(adapter.module.calls[0][1], _LEAD + _EVAL)
+    assert a["batches"] is None and a["B"] == 0 and a["R"] == 3
+    assert torch.equal(a["rows"].t, torch.arange(3))  # rows materialized: the kernel indexes them
+
+
+@pytest.mark.parametrize("rows", [None, torch.tensor([1, 1, 0, 2, 0])])
+def test_a_shared_model_goes_to_the_kernels_as_it_is(adapter, rows):
+    """theta [d] with theta_shared: R comes from rows (or the clients), the outputs have R rows,
+    and no [R, d] copy is made (one_per_row fails this test if called)."""
+    model, data = _glm()
+    theta = torch.randn(model.d, dtype=torch.float64)
+    R = 3 if rows is None else rows.numel()
+    out = adapter.gradients(model, theta, data, rows, None)
+    loss, _, _ = adapter.evaluate(model, theta, data, rows, None)
+    (op_g, args_g), (op_e, args_e) = adapter.module.calls
+    g, e = _named(args_g, _LEAD + _GRAD), _named(args_e, _LEAD + _EVAL)
+    assert (op_g, op_e) == ("gradients", "evaluate")
+    for a in (g, e):
+        assert a["theta"].t is theta and a["theta_shared"] is True and a["R"] == R
+    assert g["out"].t is out and out.shape == (R, model.d)
+    assert loss.shape == (R,)
+
+
+def test_bad_batches_are_refused_before_a_launch(adapter):
+    """The evaluate kernel reads x at the batch indices: one outside the row's client is a
+    ValueError naming it, and nothing is launched."""
+    model, data = _glm()
+    batches = torch.tensor([[0, 1], [3, 9], [8, 9]], dtype=torch.int32)  # row 1 (client 1: rows 3..7) has 9
+    with pytest.raises(ValueError, match="batches"):
+        adapter.evaluate(model, torch.zeros(3, model.d, dtype=torch.float64), data, None, batches)
+    assert adapter.module.calls == []
+
+
+@pytest.mark.parametrize("rows_needed,R,expect", [(0, 3, 0), (7, 3, 3), (2, 3, 2)])
+def test_local_steps_scratch_is_sized_by_the_module(adapter, rows_needed, R, expect):
+    """G's scratch: min(R, glm_scratch_rows) rows of d values from torch, none when the
+    parameters fit shared memory; the module is asked once per shape."""
+    adapter.module._scratch_rows = rows_needed
+    model, data = _glm(sizes=(2, 2, 2))
+    theta = torch.zeros(R, model.d, dtype=torch.float64)
+    for _ in range(2):
+        adapter.local_steps(model, theta, data, None, None, None, None, 2, 0.1, 0.0)
+    assert adapter.module.scratch_rows_asked == 1
+    names = _LEAD + ["batches", "B", "anchor", "anchor_shared", "grad_scale", "steps", "lr", "prox", "scratch",
+                     "scratch_rows", "dtype", "stream"]
+    a = _named(adapter.module.calls[-1][1], names)
+    assert a["scratch_rows"] == expect and (a["steps"], a["lr"], a["prox"]) == (2, 0.1, 0.0)
+    if expect:
+        assert a["scratch"].t.numel() == expect * model.d and a["scratch"].t.dtype == torch.float64
+    else:
+        assert a["scratch"] is None
+
+
+def test_kmeans_update_and_anderson_take_scratch_of_the_size_the_module_says(adapter):
+    points = torch.randn(7, 3, dtype=torch.float32)
+    labels = torch.tensor([0, 1, 1, 0, 1, 1, 0])
+    wsum = adapter.kmeans_update(points, labels, None, torch.zeros(2, 3))
+    op, args = adapter.module.calls[-1]
+    assert op == "kmeans_update" and wsum.shape == (2,)
+    N, K, d, buf = args[6], args[7], args[8], args[9]
+    assert (N, K, d) == (7, 2, 3) and buf.name == "scratch"
+    assert buf.t.dtype == torch.float64 and buf.t.numel() == 1000 * 7 + 10 * 2 + 3
+    R_hist = torch.zeros(3, 5)
+    adapter.anderson_push(torch.zeros(5), torch.ones(5), R_hist, R_hist.clone(), 0, [0, 2])
+    op, args = adapter.module.calls[-1]
+    assert op == "anderson_push" and args[9].t.numel() == 100 * 5 + 2
+    adapter.gram(torch.zeros(4, 9))
+    op, args = adapter.module.calls[-1]
+    assert op == "gram" and args[4].t.numel() == 100 * 9 + 4
