@@ -147,15 +147,26 @@ def check_assign(impls, points, centroids):
     return out
 
 
-def interleaved(impls, repeats):
-    for fn in impls.values():
+def interleaved(impls, repeats, block_s=0.02):
+    """Per-call times: each repeat times every implementation in turn. A call shorter than
+    ``block_s`` is timed as a block of n calls (n from the warm-up, the same for every repeat):
+    one call of ~20 µs timed alone measures the timer and what the previous implementation
+    left behind (scikit-learn's threadpool_limits resets the OpenMP settings on exit, and the
+    next call after it took 10x longer), not the call."""
+    calls = {}
+    for name, fn in impls.items():
         fn()  # warm-up
+        t0 = time.perf_counter()
+        fn()
+        calls[name] = max(1, min(1000, int(block_s / max(time.perf_counter() - t0, 1e-9))))
     times = {name: [] for name in impls}
     for _ in range(repeats):
         for name, fn in impls.items():
+            n = calls[name]
             t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
+            for _ in range(n):
+                fn()
+            times[name].append((time.perf_counter() - t0) / n)
     return times
 
 

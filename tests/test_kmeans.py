@@ -237,3 +237,56 @@ def test_assign_huge_values_fall_back_to_direct_distances(dtype):
     rl, rsq = ops.kmeans_assign_ref(pts, cen)
     assert torch.equal(labels, rl)
     torch.testing.assert_close(sq, rsq, rtol=1e-5, atol=0)
+
+
+# ---- few centroids (K <= 12): the per-point dot-product path of kmeans_screen.h ----------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("K", [1, 2, 3, 7, 10, 11, 12, 13])
+@pytest.mark.parametrize("d", [8, 9, 16, 60, 61])
+def test_assign_few_centroids_equals_brute_force_with_ties(K, d, dtype):
+    """Small integers (every distance exact): labels and distances equal brute force bit for bit,
+    ties to the lowest index (a duplicated centroid, points on a centroid and halfway between
+    two), on both sides of the 12-centroid limit and of whole vectors of coordinates."""
+    rng = np.random.default_rng(K * 100 + d)
+    npd = np.float32 if dtype is torch.float32 else np.float64
+    points = rng.integers(-3, 4, size=(301, d)).astype(npd)
+    centroids = rng.integers(-3, 4, size=(K, d)).astype(npd)
+    if K > 2:
+        centroids[K - 1] = centroids[1]
+    points[0] = centroids[0]
+    points[1] = centroids[K - 1]
+    labels, sq = ops.kmeans_assign(torch.from_numpy(points), torch.from_numpy(centroids))
+    want_labels, want_sq = brute_force(points, centroids)
+    np.testing.assert_array_equal(labels.numpy(), want_labels)
+    np.testing.assert_array_equal(sq.numpy(), want_sq.astype(npd))
+    # and the Lloyd loop's assignment (the same path with the cluster sums) agrees with the reference
+    init = torch.from_numpy(centroids)
+    got = ops.kmeans(torch.from_numpy(points), init=init, iters=2, tol=0.0)
+    ref = ops.kmeans_ref(torch.from_numpy(points), init=init, iters=2, tol=0.0)
+    assert torch.equal(got.labels, ref.labels)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_assign_few_centroids_huge_values_and_non_finite_rows(dtype):
+    """d = 9, K = 3: where the screen could overflow every centroid is computed directly; a NaN
+    or inf row is reported by its index, in kmeans_assign and in the Lloyd loop."""
+    from pflcore.errors import NonFiniteError
+
+    big = 1e18 if dtype is torch.float32 else 1e150
+    pts = torch.zeros(4, 9, dtype=dtype)
+    pts[0, 0], pts[0, 8], pts[1, 0], pts[1, 4] = big, 1.0, -big, 1.0
+    pts[3, 5] = 2.0
+    cen = torch.zeros(3, 9, dtype=dtype)
+    cen[0, 0], cen[2, 0] = 0.9 * big, -big
+    labels, sq = ops.kmeans_assign(pts, cen)
+    rl, rsq = ops.kmeans_assign_ref(pts, cen)
+    assert torch.equal(labels, rl)
+    torch.testing.assert_close(sq, rsq, rtol=1e-5, atol=0)
+    bad = torch.randn(40, 9, dtype=dtype)
+    bad[23, 8] = float("inf")
+    with pytest.raises(NonFiniteError, match=r"points: row 23 holds a NaN or infinite value"):
+        ops.kmeans_assign(bad, cen)
+    bad[23, 8] = float("nan")
+    with pytest.raises(NonFiniteError, match=r"points: row 23 holds a NaN or infinite value"):
+        ops.kmeans(bad, init=cen, iters=2)

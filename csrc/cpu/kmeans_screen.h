@@ -271,24 +271,51 @@ struct Packed {
   // direct sums' error is as small relative to (‖x‖ + ‖c‖)²; 10% and 4 roundings of slack.
   double gamma = 0;
 
+  // Few centroids (assign_range_dots): KB (K rounded up to even) centroid vectors per block of
+  // L coordinates, interleaved [ceil(d/L)][KB][L] (the last block holds coordinates d − L .. d),
+  // so that one pointer and constant offsets reach all of them; ct is then left empty.
+  int64_t KB = 0;
+  std::vector<T> cv;
+
   void pack(const T* c, int64_t K_, int64_t d_) {
+    constexpr int L = kLanes<T>;
     rows = c, K = K_, d = d_;
-    nv = (K + kLanes<T> - 1) / kLanes<T>;
-    Kpad = nv * kLanes<T>;
-    ct.assign(size_t(d * Kpad), T(0));
+    nv = (K + L - 1) / L;
+    Kpad = nv * L;
+    KB = uses_dots(K, d) ? (K + 1) / 2 * 2 : 0;
+    if (KB) {
+      const int64_t blocks = (d + L - 1) / L;
+      cv.resize(size_t(blocks * KB * L));
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t j0 = std::min(b * L, d - L);
+        for (int64_t k = 0; k < KB; ++k)  // the padding centroid repeats the last one (its screen is never read)
+          std::memcpy(cv.data() + (b * KB + k) * L, c + std::min(k, K - 1) * d + j0, L * sizeof(T));
+      }
+      ct.clear();
+    } else {
+      ct.assign(size_t(d * Kpad), T(0));
+    }
     cn2.assign(size_t(Kpad), std::numeric_limits<T>::infinity());
     cnmax = 0;
     for (int64_t k = 0; k < K; ++k) {
       const T* row = c + k * d;
       double acc = 0;
       for (int64_t j = 0; j < d; ++j) {
-        ct[size_t(j * Kpad + k)] = row[j];
+        if (!KB) ct[size_t(j * Kpad + k)] = row[j];
         acc += double(row[j]) * double(row[j]);
       }
       cn2[size_t(k)] = T(acc);
       cnmax = std::max(cnmax, std::sqrt(acc));
     }
     gamma = 1.1 * double(d + 4) * double(std::numeric_limits<T>::epsilon()) / 2;
+  }
+
+  // The dots path: at most kDotsMaxK centroids (K accumulators, ‖x‖², a point vector and a
+  // centroid vector in 16 registers), at least one vector of coordinates, and centroids that
+  // stay in L1 (half of a 32 KiB L1: the points stream through the other half).
+  static constexpr int64_t kDotsMaxK = 12;
+  static bool uses_dots(int64_t K, int64_t d) {
+    return K <= kDotsMaxK && d >= kLanes<T> && K * d * int64_t(sizeof(T)) <= (int64_t(16) << 10);
   }
 };
 
@@ -434,10 +461,152 @@ void assign_range_p(const T* points, int64_t i0, int64_t i1, const Packed<T>& pk
   }
 }
 
-// The tile height for these centroids (the register blocking of their widest block).
+// out[k] = the sum of the lanes of acc[k], k < KB (out has room for KB rounded up to a whole
+// vector). With 256-bit vectors a block of them is reduced together, transposed by horizontal
+// adds (9 instructions for 8 float sums, where one hsum takes 6); elsewhere one by one.
+template <typename T, int KB>
+inline void lane_sums(const Vec<T>* acc, T* out) {
+  int k = 0;
+#if defined(__AVX__) && !defined(__AVX512F__)
+  if constexpr (sizeof(T) == 4) {
+    for (; k + 8 <= KB; k += 8) {
+      __m256 a[8];
+      std::memcpy(a, acc + k, sizeof a);
+      const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+      const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+      // u0: [lanes 0-3 of a0..a3 summed, lanes 4-7 of a0..a3 summed]; likewise u1 for a4..a7
+      _mm256_storeu_ps(out + k, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                                              _mm256_permute2f128_ps(u0, u1, 0x31)));
+    }
+  } else {
+    for (; k + 4 <= KB; k += 4) {
+      __m256d a[4];
+      std::memcpy(a, acc + k, sizeof a);
+      const __m256d u0 = _mm256_hadd_pd(a[0], a[1]), u1 = _mm256_hadd_pd(a[2], a[3]);
+      // u0: [a0 lanes 0+1, a1 lanes 0+1, a0 lanes 2+3, a1 lanes 2+3]
+      _mm256_storeu_pd(out + k, _mm256_add_pd(_mm256_permute2f128_pd(u0, u1, 0x20),
+                                              _mm256_permute2f128_pd(u0, u1, 0x31)));
+    }
+  }
+#endif
+  for (; k < KB; ++k) out[k] = hsum<T>(acc[k]);
+}
+
+// assign_range for few centroids (Packed::uses_dots): point by point, the K dot products x·c_k as
+// KB vector accumulators over x's coordinates, ‖x‖² in one more, the centroids from the
+// interleaved pk.cv (L1). Where K is small the tile screen above wastes the padding lanes of
+// Kpad (K = 10: 6 of 16) and reads Kpad screens per point: at K = 10, d = 60 (float32, avx2) it
+// ran 573 instructions a point (callgrind), this path 389 with the direct distance. The screens are the same
+// ‖c‖² − 2x·c in T with the same error bound (any summation order), and the candidates go
+// through the same exact recheck, so labels and distances are those of assign_range_p.
+template <typename T, int KB, typename Single, typename OnPoint>
+void assign_range_dots(const T* points, int64_t i0, int64_t i1, const Packed<T>& pk, double* xnorm, bool cached,
+                       Faults& faults, Single&& single, OnPoint&& on_point) {
+  using V = Vec<T>;
+  constexpr int L = kLanes<T>;
+  constexpr T inf = std::numeric_limits<T>::infinity();
+  const int64_t d = pk.d, K = pk.K, full = d / L;
+  const int r = int(d - full * L);  // coordinates in the last, overlapping block (d − L .. d): its new ones
+  const V tail_mask = load(TailMask<T>::values + r);
+  for (int64_t i = i0; i < i1; ++i) {
+    const T* x = points + i * d;
+    const T* cb = pk.cv.data();  // [blocks][KB][L]
+    V acc[KB];
+#pragma GCC unroll 24
+    for (int k = 0; k < KB; ++k) acc[k] = V{};
+    V xx{};
+    for (int64_t b = 0; b < full; ++b, cb += KB * L) {
+      const V xv = load(x + b * L);
+      xx += xv * xv;
+#pragma GCC unroll 24
+      for (int k = 0; k < KB; ++k) acc[k] += xv * load(cb + k * L);
+    }
+    if (r) {  // the lanes already counted are zeroed in x
+      const V xv = load(x + d - L) * tail_mask;
+      xx += xv * xv;
+#pragma GCC unroll 24
+      for (int k = 0; k < KB; ++k) acc[k] += xv * load(cb + k * L);
+    }
+    double xnb;
+    if (xnorm && cached) {
+      xnb = xnorm[i];
+    } else {
+      const T xn2 = hsum<T>(xx);
+      if (!std::isfinite(xn2) && !all_finite(x, d)) {  // as in assign_range_p
+        faults.add(i, FaultKind::NonFinite, "points: row %lld holds a NaN or infinite value", ll(i));
+        continue;
+      }
+      xnb = norm_bound(xn2, d);
+      if (xnorm) xnorm[i] = xnb;
+    }
+    constexpr int KV = (KB + L - 1) / L;  // vectors of screens (pk.cn2 has Kpad >= KV·L entries)
+    alignas(64) T screen[KV * L];
+    for (int k = KB; k < KV * L; ++k) screen[k] = T(0);
+    lane_sums<T, KB>(acc, screen);
+    V lo = load(pk.cn2.data()) - T(2) * load(screen);  // ‖c‖² − 2x·c; the padding's cn2 is +inf
+    std::memcpy(screen, &lo, sizeof lo);
+#pragma GCC unroll 4
+    for (int v = 1; v < KV; ++v) {
+      const V sv = load(pk.cn2.data() + v * L) - T(2) * load(screen + v * L);
+      std::memcpy(screen + v * L, &sv, sizeof sv);
+      lo = sv < lo ? sv : lo;
+    }
+    const T smin = hmin<T>(lo);
+    // the window of assign_range_p: a centroid whose screen exceeds the smallest by more than 4E
+    // is never the first minimum of the direct distances
+    const double reach = xnb + pk.cnmax;
+    const double limit = double(smin) + 4.0 * pk.gamma * reach * reach;
+    const bool every = !(reach * reach < 0.25 * double(std::numeric_limits<T>::max())) || !std::isfinite(limit);
+    // the limit in T, rounded up: T(y) is within 2^-p·|y| of y (p: T's precision), so adding
+    // 2·eps·|limit| first lands at or above the limit (no nextafter call)
+    const T lim = every ? inf
+                        : sizeof(T) == sizeof(double)
+                              ? T(limit)
+                              : T(limit + std::fabs(limit) * 2.0 * double(std::numeric_limits<T>::epsilon()) +
+                                  double(std::numeric_limits<T>::min()));
+    int candidates = 0;
+    int64_t first = -1;
+    if (every) {
+      candidates = int(K), first = 0;
+    } else {
+#pragma GCC unroll 4
+      for (int v = 0; v < KV; ++v) {
+        const uint32_t bits = lanes_at_most<T>(load(screen + v * L), lim);  // the padding is +inf: never
+        if (bits && first < 0) first = v * L + __builtin_ctz(bits);
+        candidates += __builtin_popcount(bits);
+      }
+    }
+    if (candidates == 1) {  // the usual case
+      on_point(i, first, single(i, first, x, pk.rows + first * d), true);
+      continue;
+    }
+    T best = inf;
+    int64_t arg = -1;
+    for (int64_t k = first < 0 ? K : first; k < K; ++k) {
+      if (!(every || screen[k] <= lim)) continue;
+      const T dist = sqdist_direct(x, pk.rows + k * d, d);
+      if (arg < 0 || dist < best) {
+        best = dist;
+        arg = k;
+      }
+    }
+    on_point(i, arg, best, false);
+  }
+}
+
+// The tile height for these centroids (the register blocking of their widest block), or the
+// dots path for few centroids.
 template <typename T, typename Single, typename OnPoint>
 void assign_range(const T* points, int64_t i0, int64_t i1, const Packed<T>& pk, double* xnorm, bool cached,
                   std::vector<T>& dots, Faults& faults, Single&& single, OnPoint&& on_point) {
+  switch (pk.KB) {
+    case 0: break;
+#define PFLCORE_DOTS(KB) \
+  case KB: return assign_range_dots<T, KB>(points, i0, i1, pk, xnorm, cached, faults, single, on_point);
+    PFLCORE_DOTS(2) PFLCORE_DOTS(4) PFLCORE_DOTS(6) PFLCORE_DOTS(8) PFLCORE_DOTS(10) PFLCORE_DOTS(12)
+#undef PFLCORE_DOTS
+    default: break;
+  }
   const int P = points_for(int(std::min<int64_t>(pk.nv, kMaxNV)));
   if constexpr (kVecRegs >= 32) {
     if (P == 12) return assign_range_p<T, 12>(points, i0, i1, pk, xnorm, cached, dots, faults, single, on_point);
