@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -80,6 +81,8 @@ def test_the_baseline_covers_every_cuda_source():
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed: the CUDA compile check needs it")
+@pytest.mark.skipif(os.environ.get("PFLCORE_CI_COMPILES_GPU") == "1",
+                    reason=".ci/run runs .ci/compile_gpu.py itself right after the suite (~1 minute of nvcc, once)")
 def test_cuda_sources_compile_within_their_spill_baseline():
     res = subprocess.run([sys.executable, str(ROOT / ".ci" / "compile_gpu.py"), "--cuda-only"],
                          capture_output=True, text=True, timeout=600)
