@@ -88,7 +88,7 @@ class TritonAdapter(Adapter):
         _values.kmeans_update_fault(labels, weights, K)
         wsum = torch.empty(K, dtype=torch.float64, device=points.device)
         order, seg = label_segments(labels, K)
-        self.module.kmeans_update(points, order, seg, weights, centroids, wsum)
+        self.module.kmeans_update(points, labels, order, seg, weights, centroids, wsum)
         return wsum
 
     def anderson_push(self, u, tu, R_hist, TU_hist, slot: int, slots: List[int]):

@@ -115,6 +115,7 @@ def _glm_kernel(
         loss_sum = tl.zeros([BLOCK_N], dtype=dt)
         hits = tl.zeros([BLOCK_N], dtype=tl.int64)
         if ONE_TILE:
+            G = tl.zeros([BLOCK_P, BLOCK_C], dtype=dt)  # defined before the loop: read after it
             W = tl.load(th + offs1, mask=pm1, other=0.0)
             A = tl.load(anchor_ptr + row_offset(r, anchor_stride) + offs1, mask=pm1 & ((kp * 0 + has_anchor) != 0)[:, None],
                         other=0.0)  # (a block: the interpreter cannot `&` a scalar)
@@ -240,15 +241,18 @@ def _glm_kernel(
 
 def _blocks(P: int, C: int, itemsize: int = 4):
     """(BLOCK_N, BLOCK_P, BLOCK_C, ONE_TILE): the [BLOCK_N, BLOCK_P, BLOCK_C] products hold at
-    most BLOCK_BUDGET elements (more only when C alone needs it: a row's logits are one block);
+    most ``budget`` values (more only when C alone needs it: a row's logits are one block);
     ONE_TILE when the padded [P, C] fits the register budget of its dtype."""
     scale = max(1, BLOCK_BUDGET // 4096)
+    # Half the block budget in float32 and a quarter in float64 (two registers a value): with
+    # the full budget, C = 1 took 168-255 registers and spilled (pflcore.triton.aot).
+    budget = BLOCK_BUDGET * 2 // itemsize
     block_c = next_pow2(C)
     if next_pow2(P) * block_c <= _REG_PARAMS[itemsize] * scale:
         block_p = next_pow2(P)
-        return max(1, min(64 * scale, BLOCK_BUDGET // (block_p * block_c))), block_p, block_c, True
-    block_p = max(1, min(next_pow2(P), (64 if block_c == 1 else 32) * scale, BLOCK_BUDGET // block_c))
-    block_n = max(1, min(64 * scale, BLOCK_BUDGET // (block_p * block_c)))
+        return max(1, min(64 * scale, budget // (block_p * block_c))), block_p, block_c, True
+    block_p = max(1, min(next_pow2(P), (64 if block_c == 1 else 32) * scale, budget // block_c))
+    block_n = max(1, min(64 * scale, budget // (block_p * block_c)))
     return block_n, block_p, block_c, False
 
 
@@ -286,12 +290,14 @@ def _launch(mode, model, theta, acc, data, rows, batches, anchor, grad_scale, st
     grid = min(R, grid or grid_cap(theta))
     if acc is None:  # MODE 0: a scratch row per program, unless W and G live in registers
         acc = theta if const["ONE_TILE"] else torch.empty(grid, model.d, dtype=theta.dtype, device=theta.device)
-    dummy = theta  # stands for the pointers a configuration does not read
+    # stand-ins for the pointers a call does not read, of the types the reads would have (a
+    # pointer of another type would compile another variant)
+    dummy = theta
     loss, correct, count = outs if outs is not None else (dummy, rows, rows)
     with launch_device(theta):
         _glm_kernel[(grid,)](
             theta, acc, data.x, data.y, data.offsets, rows,
-            batches if batches is not None else rows, anchor if anchor is not None else dummy,
+            batches if batches is not None else data.offsets.view(torch.int32), anchor if anchor is not None else dummy,
             grad_scale if grad_scale is not None else dummy, loss, correct, count,
             R, 0 if theta.dim() == 1 else model.d, model.p, model.C, steps,
             0 if batches is None else batches.shape[-1],
