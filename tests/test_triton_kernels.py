@@ -45,14 +45,16 @@ def launches(monkeypatch):
     arguments of the GLM kernel's launches (the runtime's ``run`` of the jitted object is what
     ``kernel[grid](...)`` calls, compiled or interpreted)."""
     seen = {"args": []}
-    for mod, name in ((glm, "_glm_kernel"), (km, "_partial_kernel"), (km, "_combine_kernel")):
+    rows_kernel = importlib.import_module("pflcore.triton.glm_rows")
+    for mod, name, key in ((glm, "_glm_kernel", "glm"), (rows_kernel, "_glm_rows_kernel", "glm"),
+                           (km, "_partial_kernel", "_partial_kernel"), (km, "_combine_kernel", "_combine_kernel")):
         kernel = getattr(mod, name)
         run = kernel.run
 
-        def counted(*args, _name=name, _run=run, **kwargs):
-            seen.setdefault(_name, []).append(kwargs.get("grid"))
-            if _name == "_glm_kernel":
-                seen["args"].append(args)
+        def counted(*args, _name=name, _key=key, _run=run, **kwargs):
+            seen.setdefault(_key, []).append(kwargs.get("grid"))
+            if _key == "glm":  # either GLM kernel: (which, its arguments)
+                seen["args"].append((_name, args))
             return _run(*args, **kwargs)
 
         monkeypatch.setattr(kernel, "run", counted)
@@ -84,7 +86,7 @@ def test_evaluate_on_batches_matches_reference(family, p, C, dtype, use_triton, 
     shared = theta[0].clone()
     _assert_eval_equal(ops.evaluate(model, shared, data, rows=rows, batches=batches),
                        ops.evaluate_ref(model, shared, data, rows=rows, batches=batches), dtype)
-    assert len(launches["_glm_kernel"]) == 2
+    assert len(launches["glm"]) == 2
 
 
 def test_evaluate_on_20000_batch_rows_is_one_launch(use_triton, launches):
@@ -97,7 +99,7 @@ def test_evaluate_on_20000_batch_rows_is_one_launch(use_triton, launches):
         batches = ops.sample_batches(data, steps=1, batch_size=20, seed=1, counter=0)[:, 0]
     assert batches.numel() == 20_000
     got = ops.evaluate(model, theta, data, batches=batches)
-    assert len(launches["_glm_kernel"]) == 1
+    assert len(launches["glm"]) == 1
     _assert_eval_equal(got, ops.evaluate_ref(model, theta, data, batches=batches), torch.float32)
     assert int(got[2].sum()) == 20_000
 
@@ -116,8 +118,9 @@ def test_evaluate_on_batches_checks_the_indices(use_triton):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("one_tile", [True, False])
 def test_programs_take_several_rows_through_a_grid_sized_scratch(one_tile, dtype, launches):
-    """grid = 3 programs for 10 model rows, a per-row anchor and grad_scale, minibatches: every
-    program takes rows g, g + 3, ... and (tiled path) reuses its scratch row, which is [3, d]."""
+    """grid = 2 programs for 10 model rows, a per-row anchor and grad_scale, minibatches: every
+    program of the tiled kernel takes rows g, g + 2, ... and reuses its scratch row ([2, d]);
+    the rows kernel takes blocks of 4 rows: 0-3 and 8-11 (10, 11 masked), then 4-7."""
     model = make_model("softmax", 11, 3, l2=0.02)
     data = make_data(model, random_sizes(7, seed=2, high=9), dtype, seed=5).to(DEV)
     R = 10
@@ -128,31 +131,33 @@ def test_programs_take_several_rows_through_a_grid_sized_scratch(one_tile, dtype
     scale = (torch.rand(R, generator=g, dtype=dtype) + 0.5).to(DEV)
     with backend.use("reference"):
         batches = ops.sample_batches(data, steps=3, batch_size=5, seed=2, counter=0, clients=rows)
-    blocks = (2, 16, 4, True) if one_tile else (2, 4, 4, False)  # tiled: several feature tiles of P = 12
+    blocks = (2, 16, 4, 4) if one_tile else (2, 4, 4)  # rows kernel: 4 rows a block; tiled: 3 feature tiles of P = 12
     got = theta.clone()
-    glm.local_steps(model, got, data, rows, batches, anchor, scale, 3, 0.1, 0.3, blocks=blocks, grid=3)
+    glm.local_steps(model, got, data, rows, batches, anchor, scale, 3, 0.1, 0.3, blocks=blocks, grid=2)
     want = ops.local_steps_ref(model, theta.clone(), data, steps=3, lr=0.1, prox=0.3, anchor=anchor,
                                batches=batches, rows=rows, grad_scale=scale)
     torch.testing.assert_close(got, want, **TOL[dtype])
-    (grid,), args = launches["_glm_kernel"][0], launches["args"][0]
-    assert grid == 3
+    (grid,), (name, args) = launches["glm"][0], launches["args"][0]
+    assert grid == 2 and name == ("_glm_rows_kernel" if one_tile else "_glm_kernel")
     if not one_tile:
-        assert tuple(args[1].shape) == (3, model.d), "the scratch has one row per program"
+        assert tuple(args[1].shape) == (2, model.d), "the scratch has one row per program"
     # gradients and evaluate walk the rows the same way
     out = torch.empty(R, model.d, dtype=dtype).to(DEV)
-    glm.gradients(model, theta, data, rows, None, out, blocks=blocks, grid=3)
+    glm.gradients(model, theta, data, rows, None, out, blocks=blocks, grid=2)
     torch.testing.assert_close(out, ops.gradients_ref(model, theta, data, rows=rows), **TOL[dtype])
     res = [torch.empty(R, dtype=t).to(DEV) for t in (dtype, torch.int64, torch.int64)]
-    glm.evaluate(model, theta, data, rows, None, *res, blocks=blocks, grid=3)
+    glm.evaluate(model, theta, data, rows, None, *res, blocks=blocks, grid=2)
     _assert_eval_equal(res, ops.evaluate_ref(model, theta, data, rows=rows), dtype)
 
 
-def test_the_grid_is_capped_at_the_resident_programs(use_triton, launches):
+def test_the_grid_is_capped_at_the_resident_programs(launches):
     model = make_model("logistic", 2, 1)
     data = make_data(model, [1] * 150, torch.float32, seed=0).to(DEV)
-    ops.local_steps(model, torch.zeros(150, model.d).to(DEV), data, steps=1, lr=0.1)
+    theta = torch.zeros(150, model.d).to(DEV)
+    glm.local_steps(model, theta, data, torch.arange(150).to(DEV), None, None, None, 1, 0.1, 0.0, blocks=(4, 4, 1))
     cap = glm.grid_cap(data.x)
-    assert launches["_glm_kernel"][0] == (min(150, cap),) and cap < 150
+    assert launches["glm"][0] == (cap,) and cap < 150
+    assert tuple(launches["args"][0][1][1].shape) == (cap, model.d), "scratch [grid, d], not [R, d]"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -170,7 +175,7 @@ def test_a_shared_model_is_read_in_place(dtype, use_triton, launches, monkeypatc
     assert got.shape == (5, model.d)
     torch.testing.assert_close(got, want_grad, **TOL[dtype])
     _assert_eval_equal(ops.evaluate(model, theta, data), want_eval, dtype)
-    assert launches["args"][0][0].shape == (model.d,), "the [d] model itself is passed"
+    assert launches["args"][0][1][0].shape == (model.d,), "the [d] model itself is passed"
 
 
 @triton.jit

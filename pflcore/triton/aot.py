@@ -2,7 +2,7 @@
 without a GPU: ``python -m pflcore.triton.aot [--targets sm_80,sm_90] [--json out.json]``.
 
 A variant is a kernel with the dtypes of its pointer arguments and its constexprs. The
-constexprs come from the same functions the launchers call (``glm.constexprs``,
+constexprs come from the same functions the launchers call (``glm.plan``,
 ``kmeans.assign_blocks``, ``kmeans.update_blocks``, ``anderson.BLOCK_D``), so a new constexpr
 or block rule reaches this list by itself. Flags and hyperparameters are runtime arguments;
 the block sizes depend on the problem's shape, so the shapes compiled are the project's
@@ -65,7 +65,8 @@ def variants() -> List[Variant]:
             model = {"least_squares": lambda: models.LeastSquares(p), "logistic": lambda: models.Logistic(p),
                      "softmax": lambda: models.Softmax(p, C)}[family]()
             for mode in (glm._LOCAL_STEPS, glm._GRADIENTS, glm._EVALUATE):
-                out.append(Variant("glm", "_glm_kernel", tag, glm.constexprs(mode, model, dtype),
+                kernel, const = glm.plan(mode, model, dtype)
+                out.append(Variant(kernel.fn.__module__.rsplit(".", 1)[-1], kernel.fn.__name__, tag, const,
                                    tag if family == "least_squares" else "i64"))
         for K, d in KMEANS_SHAPES:
             out.append(Variant("kmeans", "_assign_kernel", tag, kmeans.assign_blocks(K, d)))

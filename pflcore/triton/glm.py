@@ -15,9 +15,9 @@ with the per-row math of csrc/include/pflcore/glm.h:
     logistic       ℓ = max(s, 0) + log(1 + e^{−|s|}),  dℓ/dz = σ(z) − y,   s = z (y = 0), −z (y = 1)
     softmax        ℓ = logsumexp(z) − z_y,             dℓ/dz = softmax(z) − e_y
 
-W [P, C] (P = p + intercept). When the padded [P, C] fits one register tile (ONE_TILE, chosen
-by d in ``_blocks``), W and G live in registers for the whole row and each row of x is loaded
-once per step. Otherwise W stays in the row of ``theta`` (global memory) and G accumulates in
+W [P, C] (P = p + intercept). When the padded [P, C] fits registers (chosen by d in ``_blocks``),
+``pflcore.triton.glm_rows`` runs it: blocks of model rows per program, W and G in registers.
+Otherwise the kernel here: W stays in the row of ``theta`` (global memory) and G accumulates in
 a scratch row per program ([grid, d]: bounded by the capped grid, not by R; gradients use
 their output row), the features taken BLOCK_P at a time. Every product is a
 broadcast-multiply-sum (no tl.dot: its float32 inputs would be rounded to TF32).
@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pflcore.triton._util import BLOCK_BUDGET, launch_device, next_pow2, row_offset
+from pflcore.triton._util import BLOCK_BUDGET, launch_device, next_pow2
 
 _FAMILY = {"least_squares": 0, "logistic": 1, "softmax": 2}
 _LOCAL_STEPS, _GRADIENTS, _EVALUATE = 0, 1, 2
@@ -69,7 +69,7 @@ def float_arg(bits, dt: tl.constexpr):
                                "prox_bits", "l2_bits"])
 def _glm_kernel(
     theta_ptr,    # [R, d] parameters (row stride theta_stride: 0 = one model [d] for every row, MODE 1, 2)
-    acc_ptr,      # MODE 0 without ONE_TILE: [grid, d] scratch; MODE 1: [R, d] the output; MODE 2: unused
+    acc_ptr,      # MODE 0: [grid, d] scratch, a row per program; MODE 1: [R, d] the output; MODE 2: unused
     x_ptr,        # [N, p] features
     y_ptr,        # [N] int64 labels, or targets in the dtype of x (least squares)
     offsets_ptr,  # [m + 1] int64 row offsets of the clients
@@ -83,14 +83,14 @@ def _glm_kernel(
     R, theta_stride, p, C, steps, B,
     icpt, has_batches, anchor_stride, has_anchor, has_scale,  # 0/1 flags (icpt: P = p + 1), 0 or d
     lr_bits, prox_bits, l2_bits,  # scalar_bits(lr), scalar_bits(prox), scalar_bits(l2)
-    FAMILY: tl.constexpr, MODE: tl.constexpr, ONE_TILE: tl.constexpr,
+    FAMILY: tl.constexpr, MODE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """See the module doc: model rows r = program_id, program_id + grid, ... each run MODE's
-    formula; ONE_TILE holds W and G [BLOCK_P >= P, BLOCK_C] in registers."""
+    formula, G in ``acc`` (global), the parameters BLOCK_P x BLOCK_C at a time."""
     pid = tl.program_id(0)
     dt = theta_ptr.dtype.element_ty
-    lr = float_arg(lr_bits, dt)
+    lr = float_arg(lr_bits, dt)  # once a program
     prox = float_arg(prox_bits, dt)
     l2 = float_arg(l2_bits, dt)
     P = p + icpt
@@ -99,30 +99,21 @@ def _glm_kernel(
     cmask = cc < C
     tn = tl.arange(0, BLOCK_N)
     kp = tl.arange(0, BLOCK_P)
-    pm1 = (kp < P)[:, None] & cmask[None, :]  # the ONE_TILE parameter tile
-    offs1 = kp[:, None] * C + cc[None, :]
     for r32 in range(pid, R, tl.num_programs(0)):
         r = tl.cast(r32, tl.int64)  # (the interpreter iterates Python ints)
         client = tl.load(rows_ptr + r)
         lo = tl.load(offsets_ptr + client)
         n = tl.load(offsets_ptr + client + 1) - lo
         nb = tl.where(has_batches != 0, n * 0 + B, n)  # int64 either way (B may arrive as a Python int)
-        th = theta_ptr + row_offset(r, theta_stride)
+        th = theta_ptr + r * theta_stride  # r is int64: no int32 overflow
         if MODE == 0:
-            acc = acc_ptr + row_offset(pid, d)
+            acc = acc_ptr + tl.cast(pid, tl.int64) * d
         else:
-            acc = acc_ptr + row_offset(r, d)
+            acc = acc_ptr + r * d
         loss_sum = tl.zeros([BLOCK_N], dtype=dt)
         hits = tl.zeros([BLOCK_N], dtype=tl.int64)
-        if ONE_TILE:
-            G = tl.zeros([BLOCK_P, BLOCK_C], dtype=dt)  # defined before the loop: read after it
-            W = tl.load(th + offs1, mask=pm1, other=0.0)
-            A = tl.load(anchor_ptr + row_offset(r, anchor_stride) + offs1, mask=pm1 & ((kp * 0 + has_anchor) != 0)[:, None],
-                        other=0.0)  # (a block: the interpreter cannot `&` a scalar)
         for s in range(steps):
-            if ONE_TILE:
-                G = tl.zeros([BLOCK_P, BLOCK_C], dtype=dt)
-            elif MODE != 2:
+            if MODE != 2:
                 for k0 in range(0, P, BLOCK_P):
                     k = k0 + kp
                     pm = (k < P)[:, None] & cmask[None, :]
@@ -137,21 +128,15 @@ def _glm_kernel(
                 else:
                     ridx = tl.where(tmask, lo + t, lo)
                 # logits z [BLOCK_N, BLOCK_C] = x_t W (+ b); padded rows and classes give 0
-                if ONE_TILE:
-                    x1 = tl.load(x_ptr + ridx[:, None] * p + kp[None, :], mask=tmask[:, None] & (kp < p)[None, :],
-                                 other=0.0)
-                    x1 = tl.where(tmask[:, None] & ((kp >= p) & (kp < P))[None, :], 1.0, x1)  # the intercept's 1
-                    z = tl.sum(x1[:, :, None] * W[None, :, :], axis=1)
-                else:
-                    z = tl.zeros([BLOCK_N, BLOCK_C], dtype=dt)
-                    for k0 in range(0, P, BLOCK_P):
-                        k = k0 + kp
-                        xk = tl.load(x_ptr + ridx[:, None] * p + k[None, :],
-                                     mask=tmask[:, None] & (k < p)[None, :], other=0.0)
-                        xk = tl.where(tmask[:, None] & ((k >= p) & (k < P))[None, :], 1.0, xk)
-                        w = tl.load(th + k[:, None] * C + cc[None, :], mask=(k < P)[:, None] & cmask[None, :],
-                                    other=0.0)
-                        z += tl.sum(xk[:, :, None] * w[None, :, :], axis=1)
+                z = tl.zeros([BLOCK_N, BLOCK_C], dtype=dt)
+                for k0 in range(0, P, BLOCK_P):
+                    k = k0 + kp
+                    xk = tl.load(x_ptr + ridx[:, None] * p + k[None, :],
+                                 mask=tmask[:, None] & (k < p)[None, :], other=0.0)
+                    xk = tl.where(tmask[:, None] & ((k >= p) & (k < P))[None, :], 1.0, xk)  # the intercept's 1
+                    w = tl.load(th + k[:, None] * C + cc[None, :], mask=(k < P)[:, None] & cmask[None, :],
+                                other=0.0)
+                    z += tl.sum(xk[:, :, None] * w[None, :, :], axis=1)
                 # per-row loss and dz = d loss / d z (0 on padding)
                 if FAMILY == 0:
                     yv = tl.load(y_ptr + ridx, mask=tmask, other=0.0)
@@ -188,51 +173,40 @@ def _glm_kernel(
                 else:
                     dz = tl.where(tmask[:, None] & cmask[None, :], dz, 0.0)
                     # G[k, c] += Σ_t x_t[k]·dz_t[c]
-                    if ONE_TILE:
-                        G += tl.sum(x1[:, :, None] * dz[:, None, :], axis=0)
-                    else:
-                        for k0 in range(0, P, BLOCK_P):
-                            k = k0 + kp
-                            xk = tl.load(x_ptr + ridx[:, None] * p + k[None, :],
-                                         mask=tmask[:, None] & (k < p)[None, :], other=0.0)
-                            xk = tl.where(tmask[:, None] & ((k >= p) & (k < P))[None, :], 1.0, xk)
-                            g = tl.sum(xk[:, :, None] * dz[:, None, :], axis=0)
-                            pm = (k < P)[:, None] & cmask[None, :]
-                            offs = k[:, None] * C + cc[None, :]
-                            tl.store(acc + offs, tl.load(acc + offs, mask=pm, other=0.0) + g, mask=pm)
-                        tl.debug_barrier()
+                    for k0 in range(0, P, BLOCK_P):
+                        k = k0 + kp
+                        xk = tl.load(x_ptr + ridx[:, None] * p + k[None, :],
+                                     mask=tmask[:, None] & (k < p)[None, :], other=0.0)
+                        xk = tl.where(tmask[:, None] & ((k >= p) & (k < P))[None, :], 1.0, xk)
+                        g = tl.sum(xk[:, :, None] * dz[:, None, :], axis=0)
+                        pm = (k < P)[:, None] & cmask[None, :]
+                        offs = k[:, None] * C + cc[None, :]
+                        tl.store(acc + offs, tl.load(acc + offs, mask=pm, other=0.0) + g, mask=pm)
+                    tl.debug_barrier()
             if MODE == 0:
                 scale = 1.0 / nb.to(dt)
                 if has_scale != 0:
                     scale = tl.load(scale_ptr + r) * scale
-                if ONE_TILE:
-                    W = W - lr * (scale * G + l2 * W + prox * (W - A))
-                else:
-                    for k0 in range(0, P, BLOCK_P):
-                        k = k0 + kp
-                        pm = (k < P)[:, None] & cmask[None, :]
-                        offs = k[:, None] * C + cc[None, :]
-                        w = tl.load(th + offs, mask=pm, other=0.0)
-                        g = tl.load(acc + offs, mask=pm, other=0.0)
-                        a = tl.load(anchor_ptr + row_offset(r, anchor_stride) + offs, mask=pm & ((k * 0 + has_anchor) != 0)[:, None],
-                                    other=0.0)
-                        tl.store(th + offs, w - lr * (scale * g + l2 * w + prox * (w - a)), mask=pm)
-                    tl.debug_barrier()
-
-        if MODE == 0:
-            if ONE_TILE:
-                tl.store(th + offs1, W, mask=pm1)
-        if MODE == 1:
-            if ONE_TILE:
-                tl.store(acc + offs1, G / nb.to(dt) + l2 * W, mask=pm1)
-            else:
                 for k0 in range(0, P, BLOCK_P):
                     k = k0 + kp
                     pm = (k < P)[:, None] & cmask[None, :]
                     offs = k[:, None] * C + cc[None, :]
-                    g = tl.load(acc + offs, mask=pm, other=0.0)
                     w = tl.load(th + offs, mask=pm, other=0.0)
-                    tl.store(acc + offs, g / nb.to(dt) + l2 * w, mask=pm)
+                    g = tl.load(acc + offs, mask=pm, other=0.0)
+                    # (the flag as a block: the interpreter cannot `&` a scalar)
+                    a = tl.load(anchor_ptr + r * anchor_stride + offs, mask=pm & ((k * 0 + has_anchor) != 0)[:, None],
+                                other=0.0)
+                    tl.store(th + offs, w - lr * (scale * g + l2 * w + prox * (w - a)), mask=pm)
+                tl.debug_barrier()
+
+        if MODE == 1:
+            for k0 in range(0, P, BLOCK_P):
+                k = k0 + kp
+                pm = (k < P)[:, None] & cmask[None, :]
+                offs = k[:, None] * C + cc[None, :]
+                g = tl.load(acc + offs, mask=pm, other=0.0)
+                w = tl.load(th + offs, mask=pm, other=0.0)
+                tl.store(acc + offs, g / nb.to(dt) + l2 * w, mask=pm)
         if MODE == 2:
             tl.store(loss_ptr + r, tl.sum(loss_sum, axis=0))
             tl.store(correct_ptr + r, tl.sum(hits, axis=0))
@@ -240,20 +214,24 @@ def _glm_kernel(
 
 
 def _blocks(P: int, C: int, itemsize: int = 4):
-    """(BLOCK_N, BLOCK_P, BLOCK_C, ONE_TILE): the [BLOCK_N, BLOCK_P, BLOCK_C] products hold at
-    most ``budget`` values (more only when C alone needs it: a row's logits are one block);
-    ONE_TILE when the padded [P, C] fits the register budget of its dtype."""
+    """(BLOCK_N, BLOCK_P, BLOCK_C, BLOCK_R): the [BLOCK_R, BLOCK_N, BLOCK_P, BLOCK_C] products hold
+    at most ``budget`` values (more only when C alone needs it: a row's logits are one block).
+    BLOCK_R > 0: the padded [P, C] fits the register budget of its dtype, and the rows kernel
+    (glm_rows) takes BLOCK_R model rows at a time; BLOCK_R = 0: the tiled kernel here."""
     scale = max(1, BLOCK_BUDGET // 4096)
     # Half the block budget in float32 and a quarter in float64 (two registers a value): with
     # the full budget, C = 1 took 168-255 registers and spilled (pflcore.triton.aot).
     budget = BLOCK_BUDGET * 2 // itemsize
     block_c = next_pow2(C)
-    if next_pow2(P) * block_c <= _REG_PARAMS[itemsize] * scale:
-        block_p = next_pow2(P)
-        return max(1, min(64 * scale, budget // (block_p * block_c))), block_p, block_c, True
+    pc = next_pow2(P) * block_c
+    regs = _REG_PARAMS[itemsize] * scale
+    if pc <= regs:
+        block_n = max(1, min(16, budget // pc))
+        block_r = max(1, min(budget // (block_n * pc), regs // pc))
+        return block_n, next_pow2(P), block_c, block_r
     block_p = max(1, min(next_pow2(P), (64 if block_c == 1 else 32) * scale, budget // block_c))
     block_n = max(1, min(64 * scale, budget // (block_p * block_c)))
-    return block_n, block_p, block_c, False
+    return block_n, block_p, block_c, 0
 
 
 _SMS = {}
@@ -269,16 +247,23 @@ def grid_cap(t: torch.Tensor) -> int:
     return _SMS[idx] * RESIDENT_PER_SM
 
 
-def constexprs(mode: int, model, dtype: torch.dtype, blocks=None) -> dict:
-    """The constexpr arguments of a launch: what ``_launch`` passes, and what pflcore.triton.aot
-    compiles ahead of time (every flag of a call is a runtime argument)."""
-    if blocks is not None and len(blocks) == 3:  # (BLOCK_N, BLOCK_P, BLOCK_C): the tiled path
-        blocks = (*blocks, False)
-    block_n, block_p, block_c, one_tile = blocks or _blocks(model.P, model.C, torch.empty(0, dtype=dtype).element_size())
-    if one_tile and block_p < model.P:
-        raise ValueError(f"blocks: ONE_TILE needs BLOCK_P >= P = {model.P}, got BLOCK_P = {block_p}")
-    return dict(FAMILY=_FAMILY[model.family], MODE=mode, ONE_TILE=one_tile, BLOCK_N=block_n, BLOCK_P=block_p,
-                BLOCK_C=block_c)
+def plan(mode: int, model, dtype: torch.dtype, blocks=None):
+    """(kernel, constexprs) of a launch: what ``_launch`` runs, and what pflcore.triton.aot
+    compiles ahead of time (every flag of a call is a runtime argument). ``blocks``: (BLOCK_N,
+    BLOCK_P, BLOCK_C) forces the tiled kernel, (..., BLOCK_R) the rows kernel."""
+    from pflcore.triton.glm_rows import _glm_rows_kernel
+
+    if blocks is not None and len(blocks) == 3:
+        blocks = (*blocks, 0)
+    block_n, block_p, block_c, block_r = blocks or _blocks(model.P, model.C,
+                                                           torch.empty(0, dtype=dtype).element_size())
+    const = dict(FAMILY=_FAMILY[model.family], MODE=mode, BLOCK_N=block_n, BLOCK_P=block_p, BLOCK_C=block_c)
+    if not block_r:
+        return _glm_kernel, const
+    if block_p < model.P or block_c < model.C:
+        raise ValueError(f"blocks: the rows kernel needs BLOCK_P >= P = {model.P} and BLOCK_C >= C = {model.C}, "
+                         f"got {block_p} and {block_c}")
+    return _glm_rows_kernel, dict(const, BLOCK_R=block_r)
 
 
 def _launch(mode, model, theta, acc, data, rows, batches, anchor, grad_scale, steps, lr, prox, outs=None,
@@ -286,16 +271,17 @@ def _launch(mode, model, theta, acc, data, rows, batches, anchor, grad_scale, st
     R = rows.numel()
     if R == 0:
         return
-    const = constexprs(mode, model, theta.dtype, blocks)
-    grid = min(R, grid or grid_cap(theta))
-    if acc is None:  # MODE 0: a scratch row per program, unless W and G live in registers
-        acc = theta if const["ONE_TILE"] else torch.empty(grid, model.d, dtype=theta.dtype, device=theta.device)
+    kernel, const = plan(mode, model, theta.dtype, blocks)
+    per_program = const.get("BLOCK_R", 1)
+    grid = min(triton.cdiv(R, per_program), grid or grid_cap(theta))
+    if acc is None:  # MODE 0: a scratch row per program of the tiled kernel
+        acc = theta if "BLOCK_R" in const else torch.empty(grid, model.d, dtype=theta.dtype, device=theta.device)
     # stand-ins for the pointers a call does not read, of the types the reads would have (a
     # pointer of another type would compile another variant)
     dummy = theta
     loss, correct, count = outs if outs is not None else (dummy, rows, rows)
     with launch_device(theta):
-        _glm_kernel[(grid,)](
+        kernel[(grid,)](
             theta, acc, data.x, data.y, data.offsets, rows,
             batches if batches is not None else data.offsets.view(torch.int32), anchor if anchor is not None else dummy,
             grad_scale if grad_scale is not None else dummy, loss, correct, count,
@@ -310,8 +296,8 @@ def _launch(mode, model, theta, acc, data, rows, batches, anchor, grad_scale, st
 def local_steps(model, theta, data, rows, batches, anchor, grad_scale, steps, lr, prox, *, blocks=None, grid=None):
     """``theta [R, d]`` ← ``steps`` fused gradient steps per row, in place (see the module doc).
     ``batches`` int32 [R, steps, B] or None, ``anchor`` [R, d], [d] or None, ``grad_scale`` [R] or
-    None. ``blocks`` (BLOCK_N, BLOCK_P, BLOCK_C[, ONE_TILE]) and ``grid`` override the block sizes
-    and the grid cap (tests force many tiles and programs that take several rows)."""
+    None. ``blocks`` (see ``plan``) and ``grid`` override the block sizes and the grid cap (tests
+    force many tiles, and programs that take several rows)."""
     if steps == 0:
         return
     _launch(_LOCAL_STEPS, model, theta, None, data, rows, batches, anchor, grad_scale, steps, lr, prox,
