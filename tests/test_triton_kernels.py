@@ -332,8 +332,8 @@ def test_aot_compiles_a_variant_for_sm90_without_a_gpu(tmp_path):
 
 def test_aot_lists_every_variant_the_launchers_choose():
     """The list comes from the launchers' own block rules (for a GPU: in a child without the
-    interpreter, whose blocks differ): each GLM mode and dtype of each shape, the ONE_TILE and
-    the tiled GLM path, every k-means and Anderson kernel."""
+    interpreter, whose blocks differ): each GLM mode and dtype of each shape, the rows kernel
+    and the tiled one, every k-means and Anderson kernel."""
     import json
 
     import pflcore
@@ -345,9 +345,10 @@ def test_aot_lists_every_variant_the_launchers_choose():
     assert proc.returncode == 0, proc.stderr
     names = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(names) == len(set(names))
-    for kernel in ("_glm_kernel", "_assign_kernel", "_partial_kernel", "_combine_kernel", "_dots_kernel",
+    for kernel in ("_glm_kernel", "_glm_rows_kernel", "_assign_kernel", "_partial_kernel", "_combine_kernel", "_dots_kernel",
                    "_mix_kernel"):
         for dt in ("fp32", "fp64"):
             assert any(f".{kernel} {dt}" in n for n in names), (kernel, dt)
-    assert any("ONE_TILE=1" in n for n in names) and any("ONE_TILE=0" in n for n in names)
+    assert any(n.startswith("glm_rows._glm_rows_kernel") for n in names), "the rows kernel (W, G in registers)"
+    assert any(n.startswith("glm._glm_kernel") for n in names), "the tiled kernel (a scratch row a program)"
     assert all(any(f"MODE={m}" in n for n in names) for m in range(3))
