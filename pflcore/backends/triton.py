@@ -11,7 +11,6 @@ import torch
 
 from pflcore.backends import _values
 from pflcore.backends.base import Adapter, evaluation_outputs, label_segments
-from pflcore.backends.reference import ReferenceAdapter
 
 
 def _rows(data, rows, device):
@@ -60,20 +59,20 @@ class TritonAdapter(Adapter):
     def gradients(self, model, theta, data, rows, batches, trusted=False):
         if not trusted:  # the run's own draws: no pre-pass, no host sync (see _values.py)
             _values.glm_fault(model, theta, data, rows, batches)
-        theta = _values.one_per_row(theta, data, rows)
-        out = torch.empty_like(theta)
-        self.module.gradients(model, theta, data, _rows(data, rows, theta.device), batches, out)
+        rows = _rows(data, rows, theta.device)
+        # a shared model [d] is read by every row in place (row stride 0), not copied to [R, d]
+        out = torch.empty(rows.numel(), model.d, dtype=theta.dtype, device=theta.device)
+        self.module.gradients(model, theta, data, rows, batches, out)
         return out
 
     def evaluate(self, model, theta, data, rows, batches=None, trusted=False):
-        if batches is not None:  # the kernel evaluates whole clients: a sample of rows goes to torch
-            return ReferenceAdapter().evaluate(model, theta, data, rows, batches, trusted)
         if not trusted:  # the run's own draws: no pre-pass, no host sync (see _values.py)
-            _values.glm_fault(model, theta, data, rows)
-        theta = _values.one_per_row(theta, data, rows)
+            _values.glm_fault(model, theta, data, rows, batches)
         dev = theta.device
-        loss, correct, count = evaluation_outputs(theta.shape[0], theta.dtype, dev)
-        self.module.evaluate(model, theta, data, _rows(data, rows, dev), loss, correct, count)
+        rows = _rows(data, rows, dev)
+        loss, correct, count = evaluation_outputs(rows.numel(), theta.dtype, dev)
+        # whole clients or the sample ``batches [R, B]``: one launch either way
+        self.module.evaluate(model, theta, data, rows, batches, loss, correct, count)
         return loss, correct, count
 
     def kmeans_assign(self, points, centroids):
@@ -89,7 +88,7 @@ class TritonAdapter(Adapter):
         _values.kmeans_update_fault(labels, weights, K)
         wsum = torch.empty(K, dtype=torch.float64, device=points.device)
         order, seg = label_segments(labels, K)
-        self.module.kmeans_update(points, order, seg, weights, centroids, wsum)
+        self.module.kmeans_update(points, labels, order, seg, weights, centroids, wsum)
         return wsum
 
     def anderson_push(self, u, tu, R_hist, TU_hist, slot: int, slots: List[int]):

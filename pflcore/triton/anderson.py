@@ -18,7 +18,7 @@ import triton.language as tl
 
 from pflcore.triton._util import launch_device, row_offset
 
-_BLOCK_D = 1024
+BLOCK_D = 1024  # entries of a program (pflcore.triton.aot compiles it)
 
 
 @triton.jit
@@ -73,10 +73,10 @@ def _mix_kernel(
 
 def _dots(u, tu, R_hist, TU_hist, slot, slots, store):
     D, k = R_hist.shape[1], slots.numel()
-    nblk = triton.cdiv(D, _BLOCK_D)
+    nblk = triton.cdiv(D, BLOCK_D)
     partial = torch.empty(nblk, k, dtype=torch.float64, device=R_hist.device)
     with launch_device(R_hist):
-        _dots_kernel[(nblk,)](u, tu, R_hist, TU_hist, slots, partial, D, slot, k, STORE=store, BLOCK_D=_BLOCK_D)
+        _dots_kernel[(nblk,)](u, tu, R_hist, TU_hist, slots, partial, D, slot, k, STORE=store, BLOCK_D=BLOCK_D)
     return partial.sum(0)  # a fixed reduction of a fixed-shape tensor: deterministic
 
 
@@ -90,7 +90,7 @@ def anderson_mix(TU_hist, slots, pi, out):
     """``out [D]`` ← Σ_j pi[j]·TU_hist[slots[j]]; ``slots`` int64 and ``pi`` float64 [k] on the device."""
     D, k = TU_hist.shape[1], slots.numel()
     with launch_device(TU_hist):
-        _mix_kernel[(triton.cdiv(D, _BLOCK_D),)](TU_hist, slots, pi, out, D, k, BLOCK_D=_BLOCK_D)
+        _mix_kernel[(triton.cdiv(D, BLOCK_D),)](TU_hist, slots, pi, out, D, k, BLOCK_D=BLOCK_D)
 
 
 def gram(vecs, G):
