@@ -152,7 +152,8 @@ def interleaved(impls, repeats, block_s=0.02):
     ``block_s`` is timed as a block of n calls (n from the warm-up, the same for every repeat):
     one call of ~20 µs timed alone measures the timer and what the previous implementation
     left behind (scikit-learn's threadpool_limits resets the OpenMP settings on exit, and the
-    next call after it took 10x longer), not the call."""
+    next call after it took 10x longer), not the call; such a block starts after one untimed
+    call."""
     calls = {}
     for name, fn in impls.items():
         fn()  # warm-up
@@ -163,6 +164,8 @@ def interleaved(impls, repeats, block_s=0.02):
     for _ in range(repeats):
         for name, fn in impls.items():
             n = calls[name]
+            if n > 1:
+                fn()  # untimed: the first call after another implementation's pays for its leftovers
             t0 = time.perf_counter()
             for _ in range(n):
                 fn()
