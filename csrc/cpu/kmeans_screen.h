@@ -508,8 +508,18 @@ void assign_range_dots(const T* points, int64_t i0, int64_t i1, const Packed<T>&
   const int64_t d = pk.d, K = pk.K, full = d / L;
   const int r = int(d - full * L);  // coordinates in the last, overlapping block (d − L .. d): its new ones
   const V tail_mask = load(TailMask<T>::values + r);
-  for (int64_t i = i0; i < i1; ++i) {
-    const T* x = points + i * d;
+  constexpr int KV = (KB + L - 1) / L;  // vectors of screens (pk.cn2 has Kpad >= KV·L entries)
+  // Points in blocks of kBlock, in two passes: the dot products of every point of the block, then
+  // each point's screens, candidates and direct distance. One point's work is a long chain of
+  // dependent steps (the sums, their reduction, the minimum, the bound, the recheck); apart,
+  // the points' chains are independent, so the CPU overlaps them.
+  constexpr int kBlock = 16;
+  alignas(64) T sums[kBlock][KV * L];  // x·c_k of the block's points (0 past KB)
+  T norms[kBlock];                     // ‖x‖² in T
+  for (int64_t b0 = i0; b0 < i1; b0 += kBlock) {
+  const int nb = int(std::min<int64_t>(kBlock, i1 - b0));
+  for (int p = 0; p < nb; ++p) {
+    const T* x = points + (b0 + p) * d;
     const T* cb = pk.cv.data();  // [blocks][KB][L]
     V acc[KB];
 #pragma GCC unroll 24
@@ -527,11 +537,18 @@ void assign_range_dots(const T* points, int64_t i0, int64_t i1, const Packed<T>&
 #pragma GCC unroll 24
       for (int k = 0; k < KB; ++k) acc[k] += xv * load(cb + k * L);
     }
+    for (int k = KB; k < KV * L; ++k) sums[p][k] = T(0);
+    lane_sums<T, KB>(acc, sums[p]);
+    norms[p] = hsum<T>(xx);
+  }
+  for (int p = 0; p < nb; ++p) {
+    const int64_t i = b0 + p;
+    const T* x = points + i * d;
     double xnb;
     if (xnorm && cached) {
       xnb = xnorm[i];
     } else {
-      const T xn2 = hsum<T>(xx);
+      const T xn2 = norms[p];
       if (!std::isfinite(xn2) && !all_finite(x, d)) {  // as in assign_range_p
         faults.add(i, FaultKind::NonFinite, "points: row %lld holds a NaN or infinite value", ll(i));
         continue;
@@ -539,10 +556,7 @@ void assign_range_dots(const T* points, int64_t i0, int64_t i1, const Packed<T>&
       xnb = norm_bound(xn2, d);
       if (xnorm) xnorm[i] = xnb;
     }
-    constexpr int KV = (KB + L - 1) / L;  // vectors of screens (pk.cn2 has Kpad >= KV·L entries)
-    alignas(64) T screen[KV * L];
-    for (int k = KB; k < KV * L; ++k) screen[k] = T(0);
-    lane_sums<T, KB>(acc, screen);
+    T* screen = sums[p];
     V lo = load(pk.cn2.data()) - T(2) * load(screen);  // ‖c‖² − 2x·c; the padding's cn2 is +inf
     std::memcpy(screen, &lo, sizeof lo);
 #pragma GCC unroll 4
@@ -591,6 +605,7 @@ void assign_range_dots(const T* points, int64_t i0, int64_t i1, const Packed<T>&
       }
     }
     on_point(i, arg, best, false);
+  }
   }
 }
 
