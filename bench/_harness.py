@@ -144,6 +144,10 @@ def cpu_model() -> str:
 
 
 def git_commit() -> Optional[str]:
+    """HEAD of the checkout (``+dirty`` with uncommitted changes); ``PFLCORE_GIT_COMMIT`` when
+    set (a copy of the tree without .git, e.g. on a lent GPU machine)."""
+    if os.environ.get("PFLCORE_GIT_COMMIT"):
+        return os.environ["PFLCORE_GIT_COMMIT"]
     try:
         out = subprocess.run(["git", "-C", HERE, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
         dirty = subprocess.run(["git", "-C", HERE, "status", "--porcelain", "--untracked-files=no"],

@@ -26,21 +26,26 @@ class Config:
     C: int
     steps: int
     ref_clients: int
-    kmeans: tuple               # (N, K, d)
+    kmeans: List[tuple]         # (N, K, d, target speed-up over cdist + argmin) of each kmeans_assign run
     anderson: tuple             # (rows, d) of the state
     copy_bytes: int             # size of the buffer of the copy-bandwidth measurement
     repeats: int
     dry_run: bool
+    batch_size: int = 20        # B of the minibatch local_steps runs
+    server: tuple = (100_000, 610)  # (m, d) of the average and anderson_weights runs
+    gemm: int = 8192            # n of the n x n x n float32 matrix product that gives cuBLAS's peak rate
 
     @classmethod
     def full(cls, args):
         return cls(torch.device("cuda"), "cuda", args.clients or [10_000, 100_000], 350.0, 60, 10, args.steps,
-                   args.ref_clients, (100_000, 64, 7_850), (10_000, 7_850), 1 << 30, args.repeats, False)
+                   args.ref_clients, [(100_000, 16, 610, 1.5), (100_000, 64, 7_850, 2.0)], (10_000, 7_850),
+                   1 << 30, args.repeats, False)
 
     @classmethod
     def dry_run(cls, args):
         return cls(torch.device("cpu"), "native", args.clients or [100, 300], 20.0, 60, 10, args.steps,
-                   min(args.ref_clients, 20), (2_000, 8, 300), (50, 785), 1 << 24, min(args.repeats, 2), True)
+                   min(args.ref_clients, 20), [(2_000, 16, 61, 1.5), (2_000, 8, 300, 2.0)], (50, 785), 1 << 24,
+                   min(args.repeats, 2), True, server=(500, 61), gemm=256)
 
 
 def sync(device):
@@ -76,6 +81,34 @@ def copy_bandwidth(cfg: Config) -> float:
     return 2 * n * 4 / t
 
 
+def gemm_rate(cfg: Config) -> float:
+    """FLOP/s of cuBLAS (torch.mm) on an n x n x n float32 product of random data: the device's
+    float32 ceiling as the library reaches it (TF32 as torch's default leaves it: off)."""
+    n = cfg.gemm
+    g = torch.Generator(device=cfg.device).manual_seed(11)
+    a = torch.randn(n, n, generator=g, device=cfg.device)
+    b = torch.randn(n, n, generator=g, device=cfg.device)
+    t = best_of(lambda: torch.mm(a, b), cfg)
+    return 2 * n ** 3 / t
+
+
+def median_call(fn, cfg: Config, calls: int = 300) -> float:
+    """Median wall time of one ``fn()`` with the device synchronized after each call (a latency:
+    what a caller waits for one small call)."""
+    import statistics
+    import time as _time
+    for _ in range(10):
+        fn()
+    sync(cfg.device)
+    times = []
+    for _ in range(calls):
+        t0 = _time.perf_counter()
+        fn()
+        sync(cfg.device)
+        times.append(_time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 # ---- 1. local_steps --------------------------------------------------------------------------
 
 def make_clients(cfg: Config, m: int, seed: int = 0) -> pflcore.ClientData:
@@ -90,19 +123,48 @@ def make_clients(cfg: Config, m: int, seed: int = 0) -> pflcore.ClientData:
     return pflcore.ClientData(x, y, offsets.to(cfg.device))
 
 
-def local_steps_bytes(m: int, N: int, p: int, d: int, steps: int) -> int:
-    """Least traffic of one call: K passes over x and y, θ in and out, the anchor, offsets, rows."""
-    return steps * N * (p * 4 + 8) + 2 * m * d * 4 + d * 4 + (m + 1) * 8 + m * 8
+def local_steps_bytes(m: int, N: int, p: int, d: int, steps: int, batch_size: int = 0) -> int:
+    """Least traffic of one call: K passes over x and y (full batch: all N rows; minibatches: the
+    m·B sampled rows of each step and their int32 indices), θ in and out, the anchor, offsets,
+    rows."""
+    per_step = N * (p * 4 + 8) if not batch_size else m * batch_size * (p * 4 + 8 + 4)
+    return steps * per_step + 2 * m * d * 4 + d * 4 + (m + 1) * 8 + m * 8
 
 
-def bench_local_steps(cfg: Config, m: int, bw: float) -> Dict:
-    data = make_clients(cfg, m)
+def local_steps_flops(rows_per_step: int, d: int, steps: int) -> int:
+    """Multiply-adds of the model's two products per row and step (logits X·W and the gradient
+    Xᵀ·G, d = (p + 1)·C each), counted as 2 FLOPs each."""
+    return steps * rows_per_step * 2 * 2 * d
+
+
+def cublas_same_products(cfg: Config, x: torch.Tensor, C: int, steps: int) -> float:
+    """Seconds cuBLAS (torch.mm) takes for the same multiply-adds as K steps over the rows ``x``
+    [n, p]: per step X·W [p, C] and Xᵀ·G [n, C], without the loss, the update or the per-client
+    segments (a lower bound on any implementation that calls cuBLAS per step)."""
+    g = torch.Generator(device=cfg.device).manual_seed(12)
+    W = torch.randn(x.shape[1], C, generator=g, device=cfg.device)
+    G = torch.randn(x.shape[0], C, generator=g, device=cfg.device)
+
+    def products():
+        torch.mm(x, W)
+        torch.mm(x.T, G)
+    return steps * best_of(products, cfg)
+
+
+def bench_local_steps(cfg: Config, m: int, bw: float, peak: float, data=None, batch_size: int = 0) -> Dict:
+    """``local_steps`` over m clients, full batch (``batch_size`` 0) or B = ``batch_size`` rows a
+    step, against the torch reference, cuBLAS on the same products, and the roofline floor."""
+    data = make_clients(cfg, m) if data is None else data
     N = int(data.offsets[-1])
     model = models.Softmax(cfg.p, cfg.C)
     g = torch.Generator(device=cfg.device).manual_seed(1)
     theta0 = 0.01 * torch.randn(m, model.d, generator=g, device=cfg.device)
     anchor = 0.01 * torch.randn(model.d, generator=g, device=cfg.device)
     kw = dict(steps=cfg.steps, lr=0.05, prox=0.1, anchor=anchor)
+    batches = None
+    if batch_size:
+        batches = ops.sample_batches(data, steps=cfg.steps, batch_size=batch_size, seed=1, counter=0)
+        kw["batches"] = batches
     theta = theta0.clone()
 
     def setup():
@@ -110,8 +172,10 @@ def bench_local_steps(cfg: Config, m: int, bw: float) -> Dict:
 
     # agreement on a subset of clients: the kernel's rows against the reference loop
     sub = torch.randperm(m, generator=torch.Generator().manual_seed(2))[:cfg.ref_clients].sort().values.to(cfg.device)
-    want = ops.local_steps_ref(model, theta0[sub].clone(), data, rows=sub, **kw)
-    out: Dict = {"m": m, "N": N, "d": model.d, "steps": cfg.steps, "ref_clients": int(sub.numel())}
+    kw_sub = dict(kw, batches=batches[sub].contiguous()) if batch_size else kw
+    want = ops.local_steps_ref(model, theta0[sub].clone(), data, rows=sub, **kw_sub)
+    out: Dict = {"m": m, "N": N, "d": model.d, "steps": cfg.steps, "batch_size": batch_size or None,
+                 "ref_clients": int(sub.numel())}
     results = {}
     for name in usable((cfg.kernel, "triton"), out):
         with backend.use(name):
@@ -125,34 +189,91 @@ def bench_local_steps(cfg: Config, m: int, bw: float) -> Dict:
             out[f"{name}_s"] = results[name]
     theta_sub = theta0[sub].clone()
     with backend.use("reference"):
-        t_ref = best_of(lambda: ops.local_steps_ref(model, theta_sub, data, rows=sub, **kw), cfg,
+        t_ref = best_of(lambda: ops.local_steps_ref(model, theta_sub, data, rows=sub, **kw_sub), cfg,
                         lambda: theta_sub.copy_(theta0[sub]), repeats=min(3, cfg.repeats))
     out["reference_s_measured"] = t_ref
     out["reference_s"] = t_ref * m / sub.numel()  # a loop over clients: linear in their number
-    out["bytes"] = local_steps_bytes(m, N, cfg.p, model.d, cfg.steps)
+    out["bytes"] = local_steps_bytes(m, N, cfg.p, model.d, cfg.steps, batch_size)
+    rows_per_step = m * batch_size if batch_size else N
+    out["flops"] = local_steps_flops(rows_per_step, model.d, cfg.steps)
+    x_step = data.x if not batch_size else data.x[batches[:, 0].reshape(-1).long()]
+    out["cublas_same_products_s"] = cublas_same_products(cfg, x_step, cfg.C, cfg.steps)
+    del x_step
+    # roofline: the larger of the two floors says what bounds the op
+    floor_bytes, floor_flops = out["bytes"] / bw, out["flops"] / peak
+    out["bound"] = "bandwidth" if floor_bytes >= floor_flops else "arithmetic"
     if cfg.kernel in results:
         t = results[cfg.kernel]
         out["bytes_per_s"] = out["bytes"] / t
         out["fraction_of_copy_bandwidth"] = out["bytes_per_s"] / bw
+        out["flops_per_s"] = out["flops"] / t
+        out["fraction_of_cublas_peak"] = out["flops_per_s"] / peak
+        out["fraction_of_bound"] = max(floor_bytes, floor_flops) / t
         out["speedup_vs_reference"] = out["reference_s"] / t
+        out["speedup_vs_cublas_same_products"] = out["cublas_same_products_s"] / t
         if "triton" in results:
             out["triton_over_cuda_time"] = results["triton"] / t
-    del data, theta, theta0
+    del theta, theta0
+    return out
+
+
+def bench_evaluate(cfg: Config, data, bw: float) -> Dict:
+    """``evaluate`` of every client's model on all its rows (an evaluation round's op)."""
+    m = data.num_clients
+    N = int(data.offsets[-1])
+    model = models.Softmax(cfg.p, cfg.C)
+    theta = 0.01 * torch.randn(m, model.d, generator=torch.Generator(device=cfg.device).manual_seed(6),
+                               device=cfg.device)
+    sub = torch.randperm(m, generator=torch.Generator().manual_seed(2))[:cfg.ref_clients].sort().values.to(cfg.device)
+    want = ops.evaluate_ref(model, theta[sub], data, rows=sub)
+    out: Dict = {"m": m, "N": N, "ref_clients": int(sub.numel()), "bytes": N * (cfg.p * 4 + 8) + m * model.d * 4}
+    times = {}
+    for name in usable((cfg.kernel, "triton"), out):
+        with backend.use(name):
+            got = ops.evaluate(model, theta, data)
+            if not torch.equal(got[1][sub], want[1]) or not torch.allclose(got[0][sub], want[0], rtol=1e-4, atol=1e-4):
+                raise SystemExit(f"evaluate m={m}: {name} disagrees with the reference")
+            times[name] = best_of(lambda: ops.evaluate(model, theta, data), cfg)
+            out[f"{name}_s"] = times[name]
+    t_ref = best_of(lambda: ops.evaluate_ref(model, theta[sub], data, rows=sub), cfg, repeats=min(3, cfg.repeats))
+    out["reference_s"] = t_ref * m / sub.numel()
+    if cfg.kernel in times:
+        t = times[cfg.kernel]
+        out["fraction_of_copy_bandwidth"] = out["bytes"] / t / bw
+        out["speedup_vs_reference"] = out["reference_s"] / t
+        if "triton" in times:
+            out["triton_over_cuda_time"] = times["triton"] / t
+    return out
+
+
+def bench_small_call(cfg: Config) -> Dict:
+    """Latency of one client's one-step ``local_steps`` (20 rows, Softmax(60, 10)): the public
+    op with its checks, the device synchronized after each call; median of 300 calls."""
+    model = models.Softmax(cfg.p, cfg.C)
+    g = torch.Generator(device=cfg.device).manual_seed(7)
+    data = pflcore.ClientData(torch.randn(20, cfg.p, generator=g, device=cfg.device),
+                              torch.randint(0, cfg.C, (20,), generator=g, device=cfg.device),
+                              torch.tensor([0, 20], device=cfg.device))
+    theta = torch.zeros(1, model.d, device=cfg.device)
+    out: Dict = {"rows": 20, "d": model.d}
+    for name in usable((cfg.kernel, "triton", "reference"), out):
+        with backend.use(name):
+            out[f"{name}_s"] = median_call(lambda: ops.local_steps(model, theta, data, steps=1, lr=0.01), cfg)
     return out
 
 
 # ---- 2. kmeans_assign ------------------------------------------------------------------------
 
-def bench_kmeans(cfg: Config) -> Dict:
-    N, K, d = cfg.kmeans
+def bench_kmeans(cfg: Config, N: int, K: int, d: int, target: float) -> Dict:
     g = torch.Generator(device=cfg.device).manual_seed(3)
     points = torch.randn(N, d, generator=g, device=cfg.device)
     centroids = points[torch.randperm(N, generator=torch.Generator().manual_seed(4))[:K].to(cfg.device)] \
         + 0.5 * torch.randn(K, d, generator=g, device=cfg.device)
-    head = min(N, 2_000)
+    head = N if N * K * d <= 10 ** 9 else min(N, 2_000)  # every label where the reference is cheap
     want_labels, _ = ops.kmeans_assign_ref(points[:head], centroids)
     cdist_labels = torch.cdist(points, centroids).argmin(1)
-    out: Dict = {"N": N, "K": K, "d": d}
+    out: Dict = {"N": N, "K": K, "d": d, "target": target, "labels_checked_against_reference": head,
+                 "bytes": (N * d + K * d) * points.element_size() + N * (8 + points.element_size())}
     times = {}
     for name in usable((cfg.kernel, "triton"), out):
         with backend.use(name):
@@ -166,14 +287,48 @@ def bench_kmeans(cfg: Config) -> Dict:
             times[name] = best_of(lambda: ops.kmeans_assign(points, centroids), cfg)
             out[f"{name}_s"] = times[name]
     out["cdist_argmin_s"] = best_of(lambda: torch.cdist(points, centroids).argmin(1), cfg)
+    out["reference_s"] = best_of(lambda: ops.kmeans_assign_ref(points, centroids), cfg, repeats=min(3, cfg.repeats))
     if cfg.kernel in times:
         out["speedup_vs_cdist"] = out["cdist_argmin_s"] / times[cfg.kernel]
+        out["speedup_vs_reference"] = out["reference_s"] / times[cfg.kernel]
         if "triton" in times:
             out["triton_over_cuda_time"] = times["triton"] / times[cfg.kernel]
     return out
 
 
-# ---- 3. Anderson -----------------------------------------------------------------------------
+# ---- 3. server ops: average, anderson_weights -----------------------------------------------------
+
+def bench_server_ops(cfg: Config, bw: float) -> Dict:
+    """``average`` of m client models [m, d] and ``anderson_weights`` of k = 6 residuals of an
+    [m, d] state (Anderson memory 5): bytes of one pass over the inputs against the copy
+    bandwidth, and the ratio to the reference (torch, float64 sums) on the same device."""
+    m, d = cfg.server
+    g = torch.Generator(device=cfg.device).manual_seed(8)
+    theta = torch.randn(m, d, generator=g, device=cfg.device)
+    w = torch.rand(m, generator=g, device=cfg.device) + 0.1
+    k = 6
+    R = torch.randn(k, m * d, generator=g, device=cfg.device)
+    res: Dict = {}
+    for op, args, nbytes, ref in (("average", (theta, w), m * d * 4 + m * 4 + d * 4, ops.average_ref),
+                                  ("anderson_weights", (R,), k * m * d * 4, ops.anderson_weights_ref)):
+        out: Dict = {"m": m, "d": d, "bytes": nbytes, "served_by": backend.select(
+            "gram" if op == "anderson_weights" else op, None, args[0]).name}
+        fn = getattr(ops, op)
+        want = ref(*args)
+        got = fn(*args)
+        out["max_abs_diff_vs_reference"] = float((got.double().cpu() - want.double().cpu()).abs().max())
+        if not out["max_abs_diff_vs_reference"] <= (1e-4 if op == "average" else 1e-8):
+            raise SystemExit(f"{op}: disagrees with {op}_ref (max |Δ| = {out['max_abs_diff_vs_reference']:.3g})")
+        out["s"] = best_of(lambda: fn(*args), cfg)
+        out["reference_s"] = best_of(lambda: ref(*args), cfg)
+        out["fraction_of_copy_bandwidth"] = nbytes / out["s"] / bw
+        out["speedup_vs_reference"] = out["reference_s"] / out["s"]
+        res[op] = out
+    del theta, R
+    return res
+
+
+# ---- 4. Anderson -----------------------------------------------------------------------------
 
 def bench_anderson(cfg: Config, bw: float) -> Dict:
     rows, d = cfg.anderson
@@ -218,23 +373,52 @@ def device_info(cfg: Config) -> Dict:
     prop = torch.cuda.get_device_properties(cfg.device)
     return {"device": prop.name, "capability": f"{prop.major}.{prop.minor}", "sms": prop.multi_processor_count,
             "memory_gib": round(prop.total_memory / 2 ** 30, 1), "torch": torch.__version__,
-            "torch_cuda": torch.version.cuda, "backends": {k: v[1] for k, v in backend.status().items()}}
+            "torch_cuda": torch.version.cuda, "driver": _command(["nvidia-smi", "--query-gpu=driver_version",
+                                                                  "--format=csv,noheader"]),
+            "toolkit": _command(["nvcc", "--version"]).splitlines()[-1:],
+            "cuda_module": _cuda_build_info(), "backends": {k: v[1] for k, v in backend.status().items()}}
+
+
+def _command(argv) -> str:
+    import subprocess
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"({argv[0]}: {exc})"
+
+
+def _cuda_build_info() -> Optional[Dict]:
+    module, _ = backend.ADAPTERS["cuda"].load()
+    return None if module is None else dict(module.build_info())
 
 
 def run_all(cfg: Config) -> Dict:
     info = device_info(cfg)
     print(f"device: {info['device']}; kernels of backend {cfg.kernel!r}; float32")
     bw = copy_bandwidth(cfg)
-    print(f"copy bandwidth: {bw / 1e9:.1f} GB/s")
+    peak = gemm_rate(cfg)
+    print(f"copy bandwidth: {bw / 1e9:.1f} GB/s; cuBLAS float32 {cfg.gemm}^3 product: {peak / 1e12:.1f} TFLOP/s")
     res = {"dry_run": cfg.dry_run, "kernel_backend": cfg.kernel, "machine": info, "copy_bytes_per_s": bw,
-           "local_steps": [], "kmeans_assign": None, "anderson": None}
+           "cublas_fp32_flops_per_s": peak, "local_steps": [], "evaluate": None, "small_call": None,
+           "kmeans_assign": [], "server_ops": None, "anderson": None}
+    print("one-client one-step local_steps ...", flush=True)
+    res["small_call"] = bench_small_call(cfg)
     for m in cfg.clients:
-        print(f"local_steps, m = {m:,} ...", flush=True)
-        res["local_steps"].append(bench_local_steps(cfg, m, bw))
+        data = make_clients(cfg, m)
+        for B in (0, cfg.batch_size):
+            print(f"local_steps, m = {m:,}, {'full batch' if not B else f'B = {B}'} ...", flush=True)
+            res["local_steps"].append(bench_local_steps(cfg, m, bw, peak, data=data, batch_size=B))
+        if m == max(cfg.clients):
+            print(f"evaluate, m = {m:,} ...", flush=True)
+            res["evaluate"] = bench_evaluate(cfg, data, bw)
+        del data
         if cfg.device.type == "cuda":
             torch.cuda.empty_cache()
-    print("kmeans_assign ...", flush=True)
-    res["kmeans_assign"] = bench_kmeans(cfg)
+    for N, K, d, target in cfg.kmeans:
+        print(f"kmeans_assign N = {N:,}, K = {K}, d = {d:,} ...", flush=True)
+        res["kmeans_assign"].append(bench_kmeans(cfg, N, K, d, target))
+    print("average, anderson_weights ...", flush=True)
+    res["server_ops"] = bench_server_ops(cfg, bw)
     print("Anderson ...", flush=True)
     res["anderson"] = bench_anderson(cfg, bw)
     return res
@@ -248,16 +432,36 @@ def table_rows(res: Dict) -> List[Dict]:
         ok = None if value is None or target is None else value >= target
         rows.append({"name": name, "value": value, "target": target, "unit": unit, "pass": ok})
 
+    def add_time(name, value, limit):  # a time (seconds): passes when at most the limit
+        ok = None if value is None else value <= limit
+        rows.append({"name": name, "value": value, "target": limit, "unit": "s", "pass": ok})
+
     k = res["kernel_backend"]
+    small = res.get("small_call")
+    if small:
+        add_time(f"local_steps 1 client, 1 step: {k} wall per call", small.get(f"{k}_s"), 100e-6)
     for r in res["local_steps"]:
-        add(f"local_steps m={r['m']:,}: {k} bytes/s / copy bandwidth", r.get("fraction_of_copy_bandwidth"), 0.5)
-        add(f"local_steps m={r['m']:,}: {k} speed-up vs torch reference (scaled from {r['ref_clients']} clients)",
+        mode = f"B={r['batch_size']}" if r.get("batch_size") else "full batch"
+        tag = f"local_steps m={r['m']:,} {mode}"
+        bound = r.get("bound", "bandwidth")
+        add(f"{tag}: {k} fraction of the {bound} floor", r.get("fraction_of_bound", r.get("fraction_of_copy_bandwidth")), 0.5)
+        add(f"{tag}: {k} speed-up vs torch reference (scaled from {r['ref_clients']} clients)",
             r.get("speedup_vs_reference"), 10.0, "x")
-        add(f"local_steps m={r['m']:,}: triton time / {k} time", r.get("triton_over_cuda_time"), None, "x")
-    km = res["kmeans_assign"]
-    add(f"kmeans_assign N={km['N']:,} K={km['K']} d={km['d']:,}: {k} speed-up vs cdist+argmin",
-        km.get("speedup_vs_cdist"), 2.0, "x")
-    add("kmeans_assign: triton time / " + k + " time", km.get("triton_over_cuda_time"), None, "x")
+        add(f"{tag}: {k} speed-up vs cuBLAS on the same products", r.get("speedup_vs_cublas_same_products"), None, "x")
+        add(f"{tag}: triton time / {k} time", r.get("triton_over_cuda_time"), None, "x")
+    ev = res.get("evaluate")
+    if ev:
+        add_time(f"evaluate m={ev['m']:,} ({ev['N']:,} rows): {k} time", ev.get(f"{k}_s"), 50e-3)
+        add(f"evaluate m={ev['m']:,}: {k} speed-up vs torch reference", ev.get("speedup_vs_reference"), None, "x")
+    kms = res["kmeans_assign"]
+    for km in (kms if isinstance(kms, list) else [kms]):
+        add(f"kmeans_assign N={km['N']:,} K={km['K']} d={km['d']:,}: {k} speed-up vs cdist+argmin",
+            km.get("speedup_vs_cdist"), km.get("target", 2.0), "x")
+        add(f"kmeans_assign N={km['N']:,} K={km['K']}: triton time / {k} time", km.get("triton_over_cuda_time"),
+            None, "x")
+    for op, r in (res.get("server_ops") or {}).items():
+        add(f"{op} {r['m']:,}x{r['d']}: {r['served_by']} bytes/s / copy bandwidth", r.get("fraction_of_copy_bandwidth"), 0.5)
+        add(f"{op}: speed-up vs {op}_ref", r.get("speedup_vs_reference"), None, "x")
     an = res["anderson"]
     add(f"Anderson step {an['rows']:,}x{an['d']:,}: {k} bytes/s / copy bandwidth", an.get("fraction_of_copy_bandwidth"))
     add(f"Anderson step: triton time / {k} time", an.get("triton_over_cuda_time"), None, "x")
@@ -268,8 +472,14 @@ def table_rows(res: Dict) -> List[Dict]:
 def print_table(rows: List[Dict]) -> None:
     width = max(len(r["name"]) for r in rows)
     print(f"\n{'measurement':<{width}}  {'value':>9}  {'target':>7}  result")
+    def fmt_s(v):
+        return f"{v * 1e6:.0f} us" if v < 1e-3 else f"{v * 1e3:.2f} ms"
     for r in rows:
-        v = "n/a" if r["value"] is None else (f"{r['value']:.1%}" if r["unit"] == "" else f"{r['value']:.2f}x")
-        t = "" if r["target"] is None else (f">={r['target']:.0%}" if r["unit"] == "" else f">={r['target']:.0f}x")
+        if r["unit"] == "s":
+            v = "n/a" if r["value"] is None else fmt_s(r["value"])
+            t = "" if r["target"] is None else "<=" + fmt_s(r["target"])
+        else:
+            v = "n/a" if r["value"] is None else (f"{r['value']:.1%}" if r["unit"] == "" else f"{r['value']:.2f}x")
+            t = "" if r["target"] is None else (f">={r['target']:.0%}" if r["unit"] == "" else f">={r['target']:.1f}x")
         res = "" if r["pass"] is None else ("pass" if r["pass"] else "FAIL")
         print(f"{r['name']:<{width}}  {v:>9}  {t:>7}  {res}")

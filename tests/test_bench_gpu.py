@@ -27,19 +27,34 @@ def test_without_a_gpu_it_says_so_and_exits_0(tmp_path):
 
 def test_table_rows_apply_the_targets():
     res = {"kernel_backend": "cuda",
-           "local_steps": [{"m": 10_000, "ref_clients": 200, "fraction_of_copy_bandwidth": 0.62,
-                            "speedup_vs_reference": 9.5, "triton_over_cuda_time": 1.3}],
-           "kmeans_assign": {"N": 100_000, "K": 64, "d": 7_850, "speedup_vs_cdist": 2.4},
+           "small_call": {"cuda_s": 140e-6},
+           "local_steps": [{"m": 10_000, "ref_clients": 200, "bound": "bandwidth", "fraction_of_bound": 0.62,
+                            "speedup_vs_reference": 9.5, "triton_over_cuda_time": 1.3},
+                           {"m": 10_000, "batch_size": 20, "ref_clients": 200, "bound": "bandwidth",
+                            "fraction_of_bound": 0.3}],
+           "evaluate": {"m": 100_000, "N": 35_000_000, "cuda_s": 0.004},
+           "kmeans_assign": [{"N": 100_000, "K": 16, "d": 610, "target": 1.5, "speedup_vs_cdist": 1.4},
+                             {"N": 100_000, "K": 64, "d": 7_850, "target": 2.0, "speedup_vs_cdist": 2.4}],
+           "server_ops": {"average": {"m": 100_000, "d": 610, "served_by": "cuda", "fraction_of_copy_bandwidth": 0.7}},
            "anderson": {"rows": 10_000, "d": 7_850}}
     rows = {r["name"]: r for r in W.table_rows(res)}
-    assert rows["local_steps m=10,000: cuda bytes/s / copy bandwidth"]["pass"] is True
-    speed = [r for n, r in rows.items() if n.startswith("local_steps m=10,000: cuda speed-up")]
+    assert rows["local_steps 1 client, 1 step: cuda wall per call"]["pass"] is False  # 140 us > 100 us
+    assert rows["local_steps m=10,000 full batch: cuda fraction of the bandwidth floor"]["pass"] is True
+    assert rows["local_steps m=10,000 B=20: cuda fraction of the bandwidth floor"]["pass"] is False
+    speed = [r for n, r in rows.items() if n.startswith("local_steps m=10,000 full batch: cuda speed-up vs torch")]
     assert len(speed) == 1 and speed[0]["pass"] is False and speed[0]["target"] == 10.0
+    assert rows["evaluate m=100,000 (35,000,000 rows): cuda time"]["pass"] is True  # 4 ms <= 50 ms
+    assert rows["kmeans_assign N=100,000 K=16 d=610: cuda speed-up vs cdist+argmin"]["pass"] is False
     assert rows["kmeans_assign N=100,000 K=64 d=7,850: cuda speed-up vs cdist+argmin"]["pass"] is True
-    assert rows["kmeans_assign: triton time / cuda time"]["value"] is None  # not measured: n/a, no verdict
-    assert rows["kmeans_assign: triton time / cuda time"]["pass"] is None
+    assert rows["kmeans_assign N=100,000 K=64: triton time / cuda time"]["value"] is None  # not measured
+    assert rows["kmeans_assign N=100,000 K=64: triton time / cuda time"]["pass"] is None
+    assert rows["average 100,000x610: cuda bytes/s / copy bandwidth"]["pass"] is True
+    W.print_table(list(rows.values()))  # every kind of row formats
 
 
 def test_local_steps_bytes_counts_k_passes_over_the_data():
     # m = 2 clients, N = 10 rows, p = 3, d = 8, K = 4: 4·10·(12 + 8) + 2·2·8·4 + 8·4 + 3·8 + 2·8
     assert W.local_steps_bytes(2, 10, 3, 8, 4) == 800 + 128 + 32 + 24 + 16
+    # B = 5 rows a step: 4·(2·5)·(12 + 8 + 4) instead of the K passes over all rows
+    assert W.local_steps_bytes(2, 10, 3, 8, 4, batch_size=5) == 960 + 128 + 32 + 24 + 16
+    assert W.local_steps_flops(10, 8, 4) == 4 * 10 * 2 * 2 * 8

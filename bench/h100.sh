@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# The checks of the GPU issue on a lent H100 (one command; see the device tool's README): build
+# the CUDA module there, tests/gpu, compute-sanitizer (memcheck, racecheck, synccheck) on the
+# CUDA op tests, bench/gpu.py, bench/gpu_federation.py, Nsight Compute on the hottest kernel.
+# Logs and results go to $OUT (8 files at most come back). Each stage has its own time limit so
+# that one hang leaves the others' results. Run from the repository root:
+#   PFLCORE_GIT_COMMIT=$(git rev-parse HEAD) bash bench/h100.sh
+set -u
+OUT=${OUT:-/tmp/h100-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY=python3
+T0=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
+STAGES=${STAGES:-"build tests bench fed ncu"}
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+
+{
+  stamp "machine"; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
+  nvcc --version | tail -2; $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+  nproc
+  if has build; then
+    stamp "build (sm_90)"
+    if ! PFLCORE_CUDA=ON PFLCORE_CUDA_ARCHITECTURES=90 CMAKE_BUILD_PARALLEL_LEVEL=16 \
+         $PY -m pip install --no-build-isolation --no-deps --no-index -q . 2>&1 | tail -30; then
+      echo "BUILD FAILED"
+    fi
+    if ! $PY -P -c "import pflcore._core_cuda" 2>/dev/null && ls .whl/pflcore-*.whl >/dev/null 2>&1; then
+      stamp "the build did not give a CUDA module: installing the wheel built elsewhere (.whl)"
+      $PY -m pip install --no-deps --no-index -q --force-reinstall .whl/pflcore-*.whl 2>&1 | tail -5
+    fi
+  fi
+  stamp "pflcore info"; (cd /tmp && $PY -P -m pflcore info 2>&1 | head -60)
+} > "$OUT/info.log" 2>&1
+cat "$OUT/info.log" | tail -25
+
+if has tests; then
+  stamp "tests/gpu and compute-sanitizer (in parallel)"
+  (timeout 230 $PY -P -m pytest tests/gpu -q -rs -p no:cacheprovider -n 8 > "$OUT/tests.log" 2>&1; echo "pytest rc=$?" >> "$OUT/tests.log") &
+  SAN_TESTS="tests/gpu/test_ops_gpu.py tests/gpu/test_cuda_scale.py"
+  # only pflcore's kernels are instrumented (torch's run unchecked): when this sanitizer knows the filter
+  FILTER=""; compute-sanitizer --help 2>&1 | grep -q -- "--kernel-name " && FILTER="--kernel-name kns=pflcore"
+  echo "sanitizer filter: ${FILTER:-none}"
+  for tool in memcheck racecheck synccheck; do
+    (
+      extra=""; [ $tool = memcheck ] && extra="--leak-check no"
+      # memcheck: every tensor its own cudaMalloc, so that a read past a scratch buffer is caught
+      [ $tool = memcheck ] && export PYTORCH_NO_CUDA_MEMORY_CACHING=1
+      timeout 220 compute-sanitizer --tool $tool $extra $FILTER --print-limit 50 \
+        $PY -P -m pytest $SAN_TESTS -q -x -p no:cacheprovider -k "cuda and not triton" \
+        > /tmp/san_$tool.log 2>&1
+      echo "compute-sanitizer $tool rc=$?" >> /tmp/san_$tool.log
+    ) &
+  done
+  wait
+  for tool in memcheck racecheck synccheck; do echo "===== $tool"; tail -40 /tmp/san_$tool.log; done > "$OUT/sanitize.log"
+  tail -15 "$OUT/tests.log"; grep -h "ERROR SUMMARY\|rc=\|passed\|failed" "$OUT/sanitize.log"
+fi
+
+if has bench; then
+  stamp "bench/gpu.py"
+  timeout 150 $PY -P bench/gpu.py --out "$OUT/gpu-h100.json" > "$OUT/bench.log" 2>&1; echo "gpu.py rc=$?" >> "$OUT/bench.log"
+  tail -40 "$OUT/bench.log"
+fi
+if has fed; then
+  stamp "bench/gpu_federation.py"
+  timeout 150 $PY -P bench/gpu_federation.py --memory-clients 20000 --out "$OUT/gpu_federation.json" \
+    > "$OUT/federation.log" 2>&1; echo "gpu_federation.py rc=$?" >> "$OUT/federation.log"
+  tail -16 "$OUT/federation.log"
+fi
+if has ncu; then
+  stamp "ncu"
+  timeout 100 ncu --clock-control none --kernel-name regex:glm_kernel --launch-skip 1 --launch-count 2 \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+    --section ComputeWorkloadAnalysis --section WarpStateStats $PY -P bench/gpu_ncu_target.py > "$OUT/ncu.txt" 2>&1
+  echo "ncu rc=$?" >> "$OUT/ncu.txt"
+  grep -E "glm_kernel|Memory Throughput|DRAM Throughput|Duration|Compute \(SM\) Throughput|Achieved Occupancy|Registers Per|ncu rc" "$OUT/ncu.txt" | head -30
+fi
+stamp "done"
