@@ -498,7 +498,9 @@ PYBIND11_MODULE(_core_cuda, m) {
           py::arg("k"), py::arg("out"), py::arg("dtype"), py::arg("stream"),
           "out [D] <- sum_j pi[j] * TU_hist[slots[j]] (pi [k] float64, float64 accumulation).");
     m.def("gram", &gram, py::arg("vecs"), py::arg("k"), py::arg("D"), py::arg("G"), py::arg("scratch"),
-          py::arg("dtype"), py::arg("stream"), "G [k, k] float64 <- Gram matrix of vecs [k, D] (deterministic float64 sums).");
+          py::arg("dtype"), py::arg("stream"),
+          "G [k, k] float64 <- Gram matrix of vecs [k, D] (deterministic float64 sums; one pass over vecs for "
+          "k <= 8); scratch: gram_scratch(D, k) float64 values.");
     m.def("gram_scratch", &gram_scratch, py::arg("D"), py::arg("k"),
           "float64 values of the scratch gram needs (per-block partial sums).");
     m.def("average", &average, py::arg("theta"), py::arg("weights"), py::arg("rows"), py::arg("M"), py::arg("d"),
