@@ -62,6 +62,12 @@ cudaError_t anderson_gram(const void* vecs, int64_t k, int64_t D, double* G, dou
 template <typename T>
 cudaError_t anderson_mix(const void* TU_hist, int64_t D, const int64_t* slots, const double* pi, int64_t k,
                          void* out, cudaStream_t stream);
+int64_t gram_scratch(int64_t D, int64_t k);
+// csrc/cuda/average.cu
+int64_t average_scratch(int64_t R, int64_t d);
+template <typename T>
+cudaError_t average(const void* theta, const void* weights, const int64_t* rows, int64_t R, int64_t d,
+                    const double* wsum, void* out, double* scratch, cudaStream_t stream);
 }  // namespace pflcore::cuda
 
 namespace {
@@ -267,7 +273,7 @@ void evaluate(int family, int64_t p, int64_t C, bool intercept, double l2, ptr_t
 
 // ---- Anderson ------------------------------------------------------------------------------
 
-// float64 values of the scratch anderson_push and gram need for D entries and k dots.
+// float64 values of the scratch anderson_push needs for D entries and k dots.
 int64_t anderson_scratch(int64_t D, int64_t k) {
     require(D >= 0 && k >= 0, "anderson_scratch", "expected D, k >= 0");
     return pc::anderson_scratch(D, k);
@@ -338,6 +344,43 @@ void gram(ptr_t vecs, int64_t k, int64_t D, ptr_t G, ptr_t scratch, const std::s
         py::gil_scoped_release nogil;
         err = f64 ? pc::anderson_gram<double>(as(vecs), k, D, as<double>(G), as<double>(scratch), as_stream(stream))
                   : pc::anderson_gram<float>(as(vecs), k, D, as<double>(G), as<double>(scratch), as_stream(stream));
+    }
+    check(err, op);
+}
+
+// float64 values of the scratch gram needs for k rows of D entries.
+int64_t gram_scratch(int64_t D, int64_t k) {
+    require(D >= 0 && k >= 1, "gram_scratch", "expected D >= 0 and k >= 1");
+    return pc::gram_scratch(D, k);
+}
+
+// ---- average -------------------------------------------------------------------------------
+
+// float64 values of the scratch average needs for R rows of d columns.
+int64_t average_scratch(int64_t R, int64_t d) {
+    require(R >= 1 && d >= 1, "average_scratch", "expected R >= 1 and d >= 1");
+    return pc::average_scratch(R, d);
+}
+
+void average(ptr_t theta, ptr_t weights, ptr_t rows, int64_t M, int64_t d, int64_t R, ptr_t wsum, ptr_t out,
+             ptr_t scratch, const std::string& dtype, ptr_t stream) {
+    const std::string op = "average";
+    const bool f64 = is_f64(dtype, op);
+    // R = 0 (no rows) has no mean: the adapter raises before it gets here
+    require(M >= 1 && d >= 1 && R >= 1, op, "expected M, d, R >= 1");
+    require(rows != 0 || R == M, op, "without rows, R must be M");
+    require_pointer(theta, op, "theta");
+    require_pointer(weights, op, "weights");
+    require_pointer(wsum, op, "wsum");
+    require_pointer(out, op, "out");
+    require_pointer(scratch, op, "scratch");
+    cudaError_t err;
+    {
+        py::gil_scoped_release nogil;
+        err = f64 ? pc::average<double>(as(theta), as(weights), as<const int64_t>(rows), R, d, as<const double>(wsum),
+                                        as(out), as<double>(scratch), as_stream(stream))
+                  : pc::average<float>(as(theta), as(weights), as<const int64_t>(rows), R, d, as<const double>(wsum),
+                                       as(out), as<double>(scratch), as_stream(stream));
     }
     check(err, op);
 }
@@ -445,7 +488,7 @@ PYBIND11_MODULE(_core_cuda, m) {
           "loss_sum [R] (dtype), correct [R] and count [R] (int64) of each model row (theta [R, d], or [d] for "
           "every row: theta_shared) on its client's rows, or on batches [R, B] int32 (count = B).");
     m.def("anderson_scratch", &anderson_scratch, py::arg("D"), py::arg("k"),
-          "float64 values of the scratch anderson_push and gram need (per-block partial dots).");
+          "float64 values of the scratch anderson_push needs (per-block partial dots).");
     m.def("anderson_push", &anderson_push, py::arg("u"), py::arg("tu"), py::arg("R_hist"), py::arg("TU_hist"),
           py::arg("D"), py::arg("slot"), py::arg("slots"), py::arg("k"), py::arg("dots"), py::arg("scratch"),
           py::arg("dtype"), py::arg("stream"),
@@ -455,7 +498,19 @@ PYBIND11_MODULE(_core_cuda, m) {
           py::arg("k"), py::arg("out"), py::arg("dtype"), py::arg("stream"),
           "out [D] <- sum_j pi[j] * TU_hist[slots[j]] (pi [k] float64, float64 accumulation).");
     m.def("gram", &gram, py::arg("vecs"), py::arg("k"), py::arg("D"), py::arg("G"), py::arg("scratch"),
-          py::arg("dtype"), py::arg("stream"), "G [k, k] float64 <- Gram matrix of vecs [k, D] (deterministic float64 sums).");
+          py::arg("dtype"), py::arg("stream"),
+          "G [k, k] float64 <- Gram matrix of vecs [k, D] (deterministic float64 sums; one pass over vecs for "
+          "k <= 8); scratch: gram_scratch(D, k) float64 values.");
+    m.def("gram_scratch", &gram_scratch, py::arg("D"), py::arg("k"),
+          "float64 values of the scratch gram needs (per-block partial sums).");
+    m.def("average", &average, py::arg("theta"), py::arg("weights"), py::arg("rows"), py::arg("M"), py::arg("d"),
+          py::arg("R"), py::arg("wsum"), py::arg("out"), py::arg("scratch"), py::arg("dtype"), py::arg("stream"),
+          "out [d] <- sum_r weights[i_r] * theta[i_r] / wsum over i_r = rows[r] (rows [R] int64, every index in "
+          "[0, M)) or r (rows 0: R = M); theta [M, d], weights [M] and out of dtype, wsum a float64 scalar (the "
+          "sum of the selected weights), float64 sums in a fixed order; scratch: average_scratch(R, d) float64 "
+          "values.");
+    m.def("average_scratch", &average_scratch, py::arg("R"), py::arg("d"),
+          "float64 values of the scratch average needs (per-chunk partial sums).");
     m.def("device_count", &device_count,
           "Number of visible CUDA devices; 0 when there is none or no usable driver.");
     m.def("runtime_status", &runtime_status,

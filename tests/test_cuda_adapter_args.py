@@ -47,6 +47,12 @@ class _Module:
     def anderson_scratch(self, D, k):
         return 100 * D + k
 
+    def gram_scratch(self, D, k):
+        return 10 * D + k
+
+    def average_scratch(self, R, d):
+        return 7 * R + d
+
     def build_info(self):
         return {"max_classes": (2048, 1024), "architectures": "80,90", "cuda_runtime_version": 13000}
 
@@ -169,4 +175,53 @@ def test_kmeans_update_and_anderson_take_scratch_of_the_size_the_module_says(ada
     assert op == "anderson_push" and args[9].t.numel() == 100 * 5 + 2
     adapter.gram(torch.zeros(4, 9))
     op, args = adapter.module.calls[-1]
-    assert op == "gram" and args[4].t.numel() == 100 * 9 + 4
+    assert op == "gram" and args[4].t.numel() == 10 * 9 + 4
+
+
+_AVERAGE = ["theta", "weights", "rows", "M", "d", "R", "wsum", "out", "scratch", "dtype", "stream"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("rows", [None, torch.tensor([2, 0, 2, 4])])
+def test_average_is_one_launch_with_the_weight_sum_and_scratch(adapter, dtype, rows):
+    """theta and weights as they are, rows (a clamped copy: the kernel never sees an index out of
+    range), R, the float64 sum of the selected weights as the divisor, the output [d] of theta's
+    dtype and scratch sized by the module."""
+    theta = torch.randn(5, 3, dtype=dtype)
+    w = torch.rand(5, dtype=dtype) + 0.1
+    out = adapter.average(theta, w, rows)
+    ((op, args),) = adapter.module.calls
+    a = _named(args, _AVERAGE)
+    R = 5 if rows is None else 4
+    assert op == "average" and (a["M"], a["d"], a["R"]) == (5, 3, R)
+    assert a["theta"].t is theta and a["weights"].t is w
+    if rows is None:
+        assert a["rows"] is None
+    else:
+        assert torch.equal(a["rows"].t, rows) and a["rows"].t.dtype == torch.int64
+    sel = w if rows is None else w[rows]
+    assert a["wsum"].t.dtype == torch.float64 and a["wsum"].t.dim() == 0
+    assert float(a["wsum"].t) == float(sel.to(torch.float64).sum())
+    assert a["out"].t is out and out.shape == (3,) and out.dtype == dtype
+    assert a["scratch"].t.dtype == torch.float64 and a["scratch"].t.numel() == 7 * R + 3
+    assert a["dtype"] == str(dtype).replace("torch.", "")
+
+
+def test_average_faults_are_the_reference_ones(adapter):
+    """Bad rows and weights raise the reference's errors; no rows never launches. The stand-in
+    writes no mean: ``out`` holds whatever torch.empty gave, so only faults found before the
+    output matters are checked here (tests/gpu runs the NaN in theta)."""
+    theta = torch.randn(4, 3)
+    w = torch.ones(4)
+    with pytest.raises(ValueError, match=r"rows: expected indices in \[0, 4\), got rows\[1\] = 4"):
+        adapter.average(theta, w, torch.tensor([0, 4]))
+    # the launch got the rows clamped into range
+    assert torch.equal(_named(adapter.module.calls[-1][1], _AVERAGE)["rows"].t, torch.tensor([0, 3]))
+    with pytest.raises(ValueError, match=r"weights: expected finite weights >= 0, got weights\[2\] = -1"):
+        adapter.average(theta, torch.tensor([1.0, 1.0, -1.0, 1.0]), None)
+    with pytest.raises(ValueError, match="sum to 0"):
+        adapter.average(theta, torch.zeros(4), None)
+    n = len(adapter.module.calls)
+    with pytest.raises(ValueError, match="sum to 0"):
+        adapter.average(theta, w, torch.zeros(0, dtype=torch.int64))
+    assert len(adapter.module.calls) == n  # no rows: nothing launched

@@ -207,6 +207,57 @@ def test_trusted_cuda_calls_never_read_the_host(monkeypatch):
         assert seen == []
 
 
+def _average_result_case(theta, w, rows):
+    """The arguments of average_result_fault after a CUDA average: the screen's flags and the
+    mean (computed here as the kernel would)."""
+    safe, wsum, flags = _values.average_screen(theta, w, rows)
+    th, ws = (theta, w) if safe is None else (theta[safe], w[safe])
+    out = ((ws.to(torch.float64) @ th.to(torch.float64)) / wsum).to(theta.dtype)
+    return theta, w, rows, out, flags
+
+
+def _raised_average(theta, w, rows):
+    """What the CUDA adapter's checks raise for an average call (screen, the mean, the read)."""
+    return _raised(_values.average_result_fault, *_average_result_case(theta, w, rows))
+
+
+def test_the_average_screen_reads_nothing_before_the_launch(monkeypatch):
+    pts = torch.randn(30, 5)
+    for rows in (None, torch.tensor([3, 1, 3]), torch.tensor([-1, 40])):
+        with host_reads(monkeypatch) as seen:
+            safe, _, _ = _values.average_screen(pts, torch.rand(30), rows)
+        assert seen == [], seen
+        assert rows is None or (safe.min() >= 0 and safe.max() < 30)
+
+
+def test_the_average_screen_after_the_launch_raises_what_the_exact_checks_raise():
+    """Faults injected one at a time in theta (a selected row, an unselected one), weights and
+    rows: the post-launch screen (with the mean's finiteness instead of a pass over theta) raises
+    exactly what _faults.average_fault raises, and nothing when there is nothing to raise."""
+    nan, inf = float("nan"), float("inf")
+    for dtype in (torch.float32, torch.float64):
+        for rows in (None, torch.tensor([4, 1, 1, 2])):
+            edits = [("theta", (1, 2), nan), ("theta", (3, 0), inf), ("theta", (2, 1), -inf),
+                     ("w", (2,), -1.0), ("w", (1,), nan), ("w", (4,), inf), ("rows", (2,), 5), ("rows", (0,), -1),
+                     ("zero", None, None), ("none", None, None)]
+            for what, at, value in edits:
+                theta = torch.randn(5, 3, dtype=dtype)
+                w = torch.rand(5, dtype=dtype) + 0.1
+                r = None if rows is None else rows.clone()
+                if what == "rows":
+                    if r is None:
+                        continue
+                    r[at] = value
+                elif what == "zero":
+                    w.zero_()
+                elif what != "none":
+                    (theta if what == "theta" else w)[at] = value
+                want = _raised(_faults.average_fault, theta, w, r)
+                assert _raised_average(theta, w, r) == want, (dtype, rows, what, at)
+                unread = what == "theta" and r is not None and at[0] not in r.tolist()  # theta row 3
+                assert (want is None) == (what == "none" or unread), (what, at, want)
+
+
 def _value_cases():
     """Each fault function with arguments that pass, on CPU tensors; the GLM ones in every form
     the adapters call them (full batch, minibatches, rows, a shared model, anchors)."""
@@ -234,6 +285,8 @@ def _value_cases():
             ("kmeans_update_fault", (torch.randint(0, 4, (30,)), None, 4)),
             ("average_fault", (pts, torch.rand(30, dtype=dtype), None)),
             ("average_fault", (pts, torch.rand(30, dtype=dtype), torch.tensor([3, 1]))),
+            ("average_result_fault", _average_result_case(pts, torch.rand(30, dtype=dtype), None)),
+            ("average_result_fault", _average_result_case(pts, torch.rand(30, dtype=dtype), torch.tensor([3, 1, 3]))),
             ("clip_and_sum_fault", (pts, torch.rand(30, dtype=dtype))),
             ("finite_rows", (pts, "v")),
             ("sample_batches_fault", (_fed(dtype), torch.tensor([0, 2]))),

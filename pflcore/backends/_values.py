@@ -158,6 +158,35 @@ def average_fault(theta: torch.Tensor, weights: torch.Tensor, rows: Optional[tor
         _faults.average_fault(theta, weights, rows)
 
 
+def average_screen(theta: torch.Tensor, weights: torch.Tensor, rows: Optional[torch.Tensor]):
+    """The part of ``average_fault`` a kernel needs before its launch, read nothing back: (rows
+    clamped into [0, M) for the launch, or None; the float64 0-dim sum of the selected weights,
+    the mean's divisor; the flags so far). ``rows`` is None or not empty. ``theta`` is screened
+    after the launch, in the mean (``average_result_fault``): no extra pass over it."""
+    M = theta.shape[0]
+    flags = []
+    w, safe = weights, None
+    if rows is not None:
+        first, last = torch.aminmax(rows)
+        flags.append((first < 0) | (last >= M))
+        safe = rows.clamp(0, M - 1)
+        w = weights[safe]
+    flags.append(_weights_flag(w))
+    wsum = w.to(torch.float64).sum()
+    flags.append(~(wsum > 0))
+    return safe, wsum, flags
+
+
+def average_result_fault(theta: torch.Tensor, weights: torch.Tensor, rows: Optional[torch.Tensor],
+                         out: torch.Tensor, flags: List[torch.Tensor]) -> None:
+    """After an average kernel: ``flags`` of ``average_screen`` and the finiteness of its mean
+    ``out`` [d], read back at once. A NaN or inf in a selected row of theta makes the mean non-finite
+    (w·NaN is NaN even for w = 0, and so is 0·inf); a mean that overflowed on finite rows flags too,
+    and the exact pass clears it."""
+    if _flagged(flags + [_nonfinite(out)]):
+        _faults.average_fault(theta, weights, rows)
+
+
 def clip_and_sum_fault(updates: torch.Tensor, weights: Optional[torch.Tensor]) -> None:
     """A row whose norm is not finite (in float64: a float32 row's cannot overflow, a float64
     row's can, and then so does the norm of all rows), a weight outside [0, 1]."""

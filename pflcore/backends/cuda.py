@@ -7,7 +7,8 @@ passes ``ptr`` first: a tensor that is not contiguous, not on the device of the 
 the dtype the kernel reads is a ValueError naming the argument (never a silent wrong read).
 ``launch`` turns a failed launch into a ``CudaKernelError`` that says which op failed and how to
 avoid it. Values are checked before the launch by the torch pre-pass of ``_values.py`` (on the
-device: one extra read of the inputs and one synchronization per call).
+device: one extra read of the inputs and one synchronization per call; ``average`` screens
+its output instead of making a pass over theta).
 """
 from __future__ import annotations
 
@@ -292,8 +293,30 @@ class CudaAdapter(Adapter):
         k, dev = vecs.shape[0], vecs.device
         G = torch.empty(k, k, dtype=torch.float64, device=dev)
         with torch.cuda.device(dev):
-            buf = scratch(self.module.anderson_scratch(vecs.shape[1], k), torch.float64, dev)
+            buf = scratch(self.module.gram_scratch(vecs.shape[1], k), torch.float64, dev)
             launch("anderson_weights", self.module.gram, ptr(vecs, "residuals", dev, vecs.dtype), k, vecs.shape[1],
                    ptr(G, "G", dev, torch.float64), ptr(buf, "scratch", dev, torch.float64), dtype_name(vecs),
                    stream(vecs))
         return G.cpu()
+
+    def average(self, theta, weights, rows):
+        """Two launches (chunks' partial sums, then their sum over chunks) and one host read: the
+        weights, rows and weight sum are screened on the device before the launch, a NaN or inf
+        of theta after it, in the mean (no extra pass over theta)."""
+        if rows is not None and rows.numel() == 0:
+            _values.average_fault(theta, weights, rows)  # the weights of no rows sum to 0: raises
+        M, d = theta.shape
+        dev, dt = theta.device, theta.dtype
+        # rows clamped into [0, M): an index out of range never reaches the kernel (it is flagged
+        # and raised after the launch)
+        safe, wsum, flags = _values.average_screen(theta, weights, rows)
+        R = M if rows is None else rows.numel()
+        out = torch.empty(d, dtype=dt, device=dev)
+        with torch.cuda.device(dev):
+            buf = scratch(self.module.average_scratch(R, d), torch.float64, dev)  # chunk partial sums
+            launch("average", self.module.average, ptr(theta, "theta", dev, dt), ptr(weights, "weights", dev, dt),
+                   ptr(safe, "rows", dev, torch.int64), M, d, R, ptr(wsum, "wsum", dev, torch.float64),
+                   ptr(out, "out", dev, dt), ptr(buf, "scratch", dev, torch.float64), dtype_name(theta),
+                   stream(theta))
+        _values.average_result_fault(theta, weights, rows, out, flags)
+        return out

@@ -6,6 +6,7 @@ the same sums in another order)."""
 from __future__ import annotations
 
 import importlib
+import re
 
 import pytest
 import torch
@@ -173,14 +174,112 @@ def test_anderson(name, dtype):
     torch.testing.assert_close(got_run, want_run, **TOL[dtype])
 
 
+# Gram matrices of k = 1..8 take the one-pass kernel, k = 9 the row-by-row dots; D = 1, odd, past
+# one block of either (2,048 entries a block of dots, 1,024 a step of the one-pass grid), and
+# past the one-pass grid's 1,024 blocks (each thread loops).
+GRAM_CASES = [(k, 5001) for k in range(1, 10)] + [(1, 1), (6, 1), (9, 1), (8, 2048 * 3 + 1), (6, 2_500_001),
+                                                   (9, 2_500_001), (2, 1024 * 1024 + 3)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k,D", GRAM_CASES)
+def test_anderson_gram_one_pass_and_row_by_row(dtype, k, D):
+    require("cuda")
+    g = torch.Generator().manual_seed(k * 7 + D % 97)
+    Rs = torch.randn(k, D, generator=g, dtype=dtype)
+    want_G = Rs.to(torch.float64) @ Rs.to(torch.float64).T
+    G = backend.adapter("cuda").gram(Rs.to(GPU))
+    assert G.dtype == torch.float64 and G.shape == (k, k)
+    assert torch.equal(G, G.T)  # both entries of a pair are the same sum
+    torch.testing.assert_close(G, want_G, rtol=1e-9, atol=1e-9 * D)
+    want = ops.anderson_weights_ref(Rs, 1e-8)
+    with _use("cuda"):
+        got = ops.anderson_weights(Rs.to(GPU), 1e-8)
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-9, atol=1e-9)
+
+
+# (m, d, rows): m = 1, d = 1, d odd and not a multiple of the 128-column tile, repeated rows,
+# more rows than one chunk (128), and more than 2,048 chunks of 128 (the chunks grow).
+AVERAGE_CASES = [(1, 1, None), (1, 611, None), (1, 5, [0, 0, 0]), (7, 1, [3, 3, 0, 6]), (300, 611, "repeat"),
+                 (1000, 610, None), (513, 129, "repeat"), (2048 * 128 + 999, 3, None),
+                 (3000, 17, "long")]
+
+
+def _average_rows(m, rows, g):
+    if rows is None or isinstance(rows, list):
+        return None if rows is None else torch.tensor(rows)
+    n = m // 2 if rows == "repeat" else 2048 * 128 + 7  # "long": more rows than m, each many times
+    return torch.randint(0, m, (n,), generator=g)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,d,rows", AVERAGE_CASES)
+def test_cuda_average(dtype, m, d, rows):
+    require("cuda")
+    g = torch.Generator().manual_seed(m + d)
+    theta = torch.randn(m, d, generator=g, dtype=dtype)
+    w = torch.rand(m, generator=g, dtype=dtype) + 0.01
+    rows_t = _average_rows(m, rows, g)
+    want = ops.average_ref(theta, w, rows_t)
+    with _use("cuda"):
+        assert backend.select("average", None, theta.to(GPU)).name == "cuda"
+        got = ops.average(theta.to(GPU), w.to(GPU), None if rows_t is None else rows_t.to(GPU))
+        again = ops.average(theta.to(GPU), w.to(GPU), None if rows_t is None else rows_t.to(GPU))
+    assert got.dtype == dtype and got.shape == (d,)
+    assert torch.equal(got, again)  # a fixed summation order
+    torch.testing.assert_close(got.cpu(), want, **TOL[dtype])
+    # and against the float64 definition
+    sel = slice(None) if rows_t is None else rows_t
+    w64 = w.to(torch.float64)[sel]
+    exact = (w64 @ theta.to(torch.float64)[sel]) / w64.sum()
+    torch.testing.assert_close(got.cpu().to(torch.float64), exact, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_average_faults_are_the_reference_ones(dtype):
+    """A NaN or inf in a selected row of theta, a bad weight, a zero weight sum, a row out of
+    range, no rows: the reference's error (type and message); a NaN in an unselected row is none."""
+    require("cuda")
+    g = torch.Generator().manual_seed(5)
+    nan = float("nan")
+
+    def case(edit):
+        theta = torch.randn(6, 613, generator=g, dtype=dtype)
+        w = torch.rand(6, generator=g, dtype=dtype) + 0.1
+        rows = torch.tensor([4, 1, 1, 5])
+        edit(theta, w, rows)
+        return theta, w, rows
+
+    edits = [lambda t, w, r: t.__setitem__((1, 600), nan), lambda t, w, r: t.__setitem__((5, 0), float("inf")),
+             lambda t, w, r: w.__setitem__(4, -2.0), lambda t, w, r: w.__setitem__(1, nan),
+             lambda t, w, r: w.zero_(), lambda t, w, r: r.__setitem__(2, 6), lambda t, w, r: r.__setitem__(0, -3)]
+    for i, edit in enumerate(edits):
+        theta, w, rows = case(edit)
+        for r in (rows, None if i < 5 else rows):
+            with pytest.raises(ValueError) as want:
+                ops.average_ref(theta, w, r)
+            with _use("cuda"), pytest.raises(type(want.value), match=re.escape(str(want.value))):
+                ops.average(theta.to(GPU), w.to(GPU), None if r is None else r.to(GPU))
+    with _use("cuda"), pytest.raises(ValueError, match="sum to 0"):
+        ops.average(torch.ones(3, 2, device=GPU, dtype=dtype), torch.ones(3, device=GPU, dtype=dtype),
+                    torch.zeros(0, dtype=torch.int64, device=GPU))
+    theta, w, rows = case(lambda t, w, r: t.__setitem__((0, 3), nan))  # row 0 is not averaged
+    with _use("cuda"):
+        got = ops.average(theta.to(GPU), w.to(GPU), rows.to(GPU))
+    torch.testing.assert_close(got.cpu(), ops.average_ref(theta, w, rows), **TOL[dtype])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_ops_without_gpu_kernels_run_on_cuda_tensors(dtype):
-    """average and sample_batches have no cuda/triton kernel: the automatic choice runs the
-    reference on the GPU, with the CPU's results."""
+    """sample_batches has no cuda/triton kernel (average has a cuda one, not a triton one): the
+    automatic choice runs the reference on the GPU, with the CPU's results."""
     model, data = _glm_case("softmax", 5, 3, [3, 1, 7], dtype)
     theta = torch.randn(3, model.d, dtype=dtype)
     w = torch.tensor([0.2, 0.3, 0.5], dtype=dtype)
     torch.testing.assert_close(ops.average(theta.to(GPU), w.to(GPU)).cpu(), ops.average(theta, w), **TOL[dtype])
+    with backend.use("triton") if backend.status()["triton"][0] else backend.use("reference"):
+        torch.testing.assert_close(ops.average(theta.to(GPU), w.to(GPU)).cpu(), ops.average(theta, w),
+                                   **TOL[dtype])
     b_cpu = ops.sample_batches(data, steps=2, batch_size=5, seed=3, counter=4)
     b_gpu = ops.sample_batches(data.to(GPU), steps=2, batch_size=5, seed=3, counter=4)
     assert torch.equal(b_gpu.cpu(), b_cpu)
