@@ -35,7 +35,7 @@ cat "$OUT/info.log" | tail -25
 
 if has tests; then
   stamp "tests/gpu and compute-sanitizer (in parallel)"
-  (timeout 230 $PY -P -m pytest tests/gpu -q -rs -p no:cacheprovider -n 8 > "$OUT/tests.log" 2>&1; echo "pytest rc=$?" >> "$OUT/tests.log") &
+  (timeout 200 $PY -P -m pytest tests/gpu -q -rs -p no:cacheprovider -n 8 > "$OUT/tests.log" 2>&1; echo "pytest rc=$?" >> "$OUT/tests.log") &
   SAN_TESTS="tests/gpu/test_ops_gpu.py tests/gpu/test_cuda_scale.py"
   # only pflcore's kernels are instrumented (torch's run unchecked): when this sanitizer knows the filter
   FILTER=""; compute-sanitizer --help 2>&1 | grep -q -- "--kernel-name " && FILTER="--kernel-name kns=pflcore"
@@ -45,7 +45,7 @@ if has tests; then
       extra=""; [ $tool = memcheck ] && extra="--leak-check no"
       # memcheck: every tensor its own cudaMalloc, so that a read past a scratch buffer is caught
       [ $tool = memcheck ] && export PYTORCH_NO_CUDA_MEMORY_CACHING=1
-      timeout 220 compute-sanitizer --tool $tool $extra $FILTER --print-limit 50 \
+      timeout 200 compute-sanitizer --tool $tool $extra $FILTER --print-limit 50 \
         $PY -P -m pytest $SAN_TESTS -q -x -p no:cacheprovider -k "cuda and not triton" \
         > /tmp/san_$tool.log 2>&1
       echo "compute-sanitizer $tool rc=$?" >> /tmp/san_$tool.log
@@ -58,18 +58,18 @@ fi
 
 if has bench; then
   stamp "bench/gpu.py"
-  timeout 150 $PY -P bench/gpu.py --out "$OUT/gpu-h100.json" > "$OUT/bench.log" 2>&1; echo "gpu.py rc=$?" >> "$OUT/bench.log"
+  timeout 130 $PY -P bench/gpu.py --out "$OUT/gpu-h100.json" > "$OUT/bench.log" 2>&1; echo "gpu.py rc=$?" >> "$OUT/bench.log"
   tail -40 "$OUT/bench.log"
 fi
 if has fed; then
   stamp "bench/gpu_federation.py"
-  timeout 150 $PY -P bench/gpu_federation.py --memory-clients 20000 --out "$OUT/gpu_federation.json" \
+  timeout 100 $PY -P bench/gpu_federation.py --memory-clients 20000 --out "$OUT/gpu_federation.json" \
     > "$OUT/federation.log" 2>&1; echo "gpu_federation.py rc=$?" >> "$OUT/federation.log"
   tail -16 "$OUT/federation.log"
 fi
 if has ncu; then
   stamp "ncu"
-  timeout 100 ncu --clock-control none --kernel-name regex:glm_kernel --launch-skip 1 --launch-count 2 \
+  timeout 80 ncu --clock-control none --kernel-name regex:glm_kernel --launch-skip 1 --launch-count 2 \
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
     --section ComputeWorkloadAnalysis --section WarpStateStats $PY -P bench/gpu_ncu_target.py > "$OUT/ncu.txt" 2>&1
   echo "ncu rc=$?" >> "$OUT/ncu.txt"
