@@ -72,10 +72,11 @@ def main(argv=None) -> int:
     import gpu_workloads as W
 
     cfg = W.Config.dry_run(args) if args.dry_run else W.Config.full(args)
-    results = W.run_all(cfg)
+    out = args.out or os.path.join(HERE, "results", "gpu_dryrun.json" if args.dry_run else "gpu.json")
+    # written after every measurement, so that a later failure keeps what was measured
+    results = W.run_all(cfg, save=lambda res: harness.write_json(out, {**res, "partial": True, "argv": sys.argv[1:]}))
     rows = W.table_rows(results)
     W.print_table(rows)
-    out = args.out or os.path.join(HERE, "results", "gpu_dryrun.json" if args.dry_run else "gpu.json")
     results.update(table=rows, argv=sys.argv[1:])
     harness.write_json(out, results)
     print(f"wrote {out}")

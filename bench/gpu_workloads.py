@@ -183,8 +183,9 @@ def bench_local_steps(cfg: Config, m: int, bw: float, peak: float, data=None, ba
             got = ops.local_steps(model, theta, data, **kw)
             out[f"{name}_max_abs_diff"] = float((got[sub] - want).abs().max())
             if not out[f"{name}_max_abs_diff"] <= 1e-3:  # float32, K steps over ~350-row sums
-                raise SystemExit(f"local_steps m={m}: {name} disagrees with the reference "
-                                 f"(max |Δθ| = {out[f'{name}_max_abs_diff']:.3g})")
+                out[f"{name}_error"] = f"disagrees with the reference (max |Δθ| = {out[f'{name}_max_abs_diff']:.3g})"
+                print(f"local_steps m={m}: {name} {out[f'{name}_error']}", flush=True)
+                continue
             results[name] = best_of(lambda: ops.local_steps(model, theta, data, **kw), cfg, setup)
             out[f"{name}_s"] = results[name]
     theta_sub = theta0[sub].clone()
@@ -232,7 +233,9 @@ def bench_evaluate(cfg: Config, data, bw: float) -> Dict:
         with backend.use(name):
             got = ops.evaluate(model, theta, data)
             if not torch.equal(got[1][sub], want[1]) or not torch.allclose(got[0][sub], want[0], rtol=1e-4, atol=1e-4):
-                raise SystemExit(f"evaluate m={m}: {name} disagrees with the reference")
+                out[f"{name}_error"] = "disagrees with the reference"
+                print(f"evaluate m={m}: {name} disagrees with the reference", flush=True)
+                continue
             times[name] = best_of(lambda: ops.evaluate(model, theta, data), cfg)
             out[f"{name}_s"] = times[name]
     t_ref = best_of(lambda: ops.evaluate_ref(model, theta[sub], data, rows=sub), cfg, repeats=min(3, cfg.repeats))
@@ -269,21 +272,30 @@ def bench_kmeans(cfg: Config, N: int, K: int, d: int, target: float) -> Dict:
     points = torch.randn(N, d, generator=g, device=cfg.device)
     centroids = points[torch.randperm(N, generator=torch.Generator().manual_seed(4))[:K].to(cfg.device)] \
         + 0.5 * torch.randn(K, d, generator=g, device=cfg.device)
-    head = N if N * K * d <= 10 ** 9 else min(N, 2_000)  # every label where the reference is cheap
-    want_labels, _ = ops.kmeans_assign_ref(points[:head], centroids)
+    # Labels against the reference in float64: where the two nearest centroids are closer than
+    # float32 rounding of a d-term sum can tell apart, any summation order may pick either one;
+    # everywhere else the labels must be equal.
+    head = min(N, 20_000)
+    d64 = torch.cdist(points[:head].double(), centroids.double()) ** 2
+    two = d64.topk(2, dim=1, largest=False).values
+    tie = (two[:, 1] - two[:, 0]) <= 1e-5 * two[:, 1]
+    want_labels = d64.argmin(1)
+    del d64
     cdist_labels = torch.cdist(points, centroids).argmin(1)
-    out: Dict = {"N": N, "K": K, "d": d, "target": target, "labels_checked_against_reference": head,
+    out: Dict = {"N": N, "K": K, "d": d, "target": target, "labels_checked": head, "near_ties": int(tie.sum()),
                  "bytes": (N * d + K * d) * points.element_size() + N * (8 + points.element_size())}
     times = {}
     for name in usable((cfg.kernel, "triton"), out):
         with backend.use(name):
             labels, _ = ops.kmeans_assign(points, centroids)
-            if not torch.equal(labels[:head], want_labels):
-                raise SystemExit(f"kmeans_assign: {name} labels differ from kmeans_assign_ref")
+            wrong = int(((labels[:head] != want_labels) & ~tie).sum())
+            out[f"{name}_labels_differing_outside_ties"] = wrong
+            out[f"{name}_labels_equal_float64"] = float((labels[:head] == want_labels).double().mean())
             out[f"{name}_agreement_with_cdist"] = float((labels == cdist_labels).double().mean())
-            if out[f"{name}_agreement_with_cdist"] < 0.999:
-                raise SystemExit(f"kmeans_assign: {name} agrees with cdist on only "
-                                 f"{out[f'{name}_agreement_with_cdist']:.4%} of the points")
+            if wrong:
+                out[f"{name}_error"] = f"{wrong} labels differ from the float64 reference away from ties"
+                print(f"kmeans_assign: {name}: {out[f'{name}_error']}", flush=True)
+                continue
             times[name] = best_of(lambda: ops.kmeans_assign(points, centroids), cfg)
             out[f"{name}_s"] = times[name]
     out["cdist_argmin_s"] = best_of(lambda: torch.cdist(points, centroids).argmin(1), cfg)
@@ -318,7 +330,8 @@ def bench_server_ops(cfg: Config, bw: float) -> Dict:
         got = fn(*args)
         out["max_abs_diff_vs_reference"] = float((got.double().cpu() - want.double().cpu()).abs().max())
         if not out["max_abs_diff_vs_reference"] <= (1e-4 if op == "average" else 1e-8):
-            raise SystemExit(f"{op}: disagrees with {op}_ref (max |Δ| = {out['max_abs_diff_vs_reference']:.3g})")
+            out["error"] = f"disagrees with {op}_ref (max |Δ| = {out['max_abs_diff_vs_reference']:.3g})"
+            print(f"{op}: {out['error']}", flush=True)
         out["s"] = best_of(lambda: fn(*args), cfg)
         out["reference_s"] = best_of(lambda: ref(*args), cfg)
         out["fraction_of_copy_bandwidth"] = nbytes / out["s"] / bw
@@ -392,7 +405,8 @@ def _cuda_build_info() -> Optional[Dict]:
     return None if module is None else dict(module.build_info())
 
 
-def run_all(cfg: Config) -> Dict:
+def run_all(cfg: Config, save=lambda res: None) -> Dict:
+    """Every measurement; ``save(res)`` after each one (a later failure keeps the earlier ones)."""
     info = device_info(cfg)
     print(f"device: {info['device']}; kernels of backend {cfg.kernel!r}; float32")
     bw = copy_bandwidth(cfg)
@@ -403,22 +417,27 @@ def run_all(cfg: Config) -> Dict:
            "kmeans_assign": [], "server_ops": None, "anderson": None}
     print("one-client one-step local_steps ...", flush=True)
     res["small_call"] = bench_small_call(cfg)
+    save(res)
     for m in cfg.clients:
         data = make_clients(cfg, m)
         for B in (0, cfg.batch_size):
             print(f"local_steps, m = {m:,}, {'full batch' if not B else f'B = {B}'} ...", flush=True)
             res["local_steps"].append(bench_local_steps(cfg, m, bw, peak, data=data, batch_size=B))
+            save(res)
         if m == max(cfg.clients):
             print(f"evaluate, m = {m:,} ...", flush=True)
             res["evaluate"] = bench_evaluate(cfg, data, bw)
+            save(res)
         del data
         if cfg.device.type == "cuda":
             torch.cuda.empty_cache()
     for N, K, d, target in cfg.kmeans:
         print(f"kmeans_assign N = {N:,}, K = {K}, d = {d:,} ...", flush=True)
         res["kmeans_assign"].append(bench_kmeans(cfg, N, K, d, target))
+        save(res)
     print("average, anderson_weights ...", flush=True)
     res["server_ops"] = bench_server_ops(cfg, bw)
+    save(res)
     print("Anderson ...", flush=True)
     res["anderson"] = bench_anderson(cfg, bw)
     return res

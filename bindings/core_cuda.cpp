@@ -68,6 +68,10 @@ int64_t average_scratch(int64_t R, int64_t d);
 template <typename T>
 cudaError_t average(const void* theta, const void* weights, const int64_t* rows, int64_t R, int64_t d,
                     const double* wsum, void* out, double* scratch, cudaStream_t stream);
+// csrc/cuda/sample_batches.cu
+cudaError_t sample_batches(const int64_t* offsets, const int64_t* clients, int64_t first_id, int64_t R,
+                           int64_t steps, int64_t B, uint32_t seed, uint32_t counter, int32_t* out,
+                           cudaStream_t stream);
 }  // namespace pflcore::cuda
 
 namespace {
@@ -357,6 +361,22 @@ int64_t gram_scratch(int64_t D, int64_t k) {
 // ---- average -------------------------------------------------------------------------------
 
 // float64 values of the scratch average needs for R rows of d columns.
+void sample_batches(ptr_t offsets, ptr_t clients, int64_t first_id, int64_t R, int64_t steps, int64_t B,
+                    uint32_t seed, uint32_t counter, ptr_t out, ptr_t stream) {
+    const std::string op = "sample_batches";
+    require(R >= 0 && steps >= 0 && B >= 1, op, "expected R >= 0, steps >= 0 and B >= 1");
+    if (R * steps == 0) return;
+    require_pointer(offsets, op, "offsets");
+    require_pointer(out, op, "out");
+    cudaError_t err;
+    {
+        py::gil_scoped_release nogil;
+        err = pc::sample_batches(as<const int64_t>(offsets), as<const int64_t>(clients), first_id, R, steps, B, seed,
+                                 counter, as<int32_t>(out), as_stream(stream));
+    }
+    check(err, op);
+}
+
 int64_t average_scratch(int64_t R, int64_t d) {
     require(R >= 1 && d >= 1, "average_scratch", "expected R >= 1 and d >= 1");
     return pc::average_scratch(R, d);
@@ -497,6 +517,9 @@ PYBIND11_MODULE(_core_cuda, m) {
     m.def("anderson_mix", &anderson_mix, py::arg("TU_hist"), py::arg("D"), py::arg("slots"), py::arg("pi"),
           py::arg("k"), py::arg("out"), py::arg("dtype"), py::arg("stream"),
           "out [D] <- sum_j pi[j] * TU_hist[slots[j]] (pi [k] float64, float64 accumulation).");
+    m.def("sample_batches", &sample_batches, py::arg("offsets"), py::arg("clients"), py::arg("first_id"),
+          py::arg("R"), py::arg("steps"), py::arg("B"), py::arg("seed"), py::arg("counter"), py::arg("out"),
+          py::arg("stream"), "int32 [R, steps, B] minibatch row indices (the counter-based hash of DESIGN.md §4)");
     m.def("gram", &gram, py::arg("vecs"), py::arg("k"), py::arg("D"), py::arg("G"), py::arg("scratch"),
           py::arg("dtype"), py::arg("stream"),
           "G [k, k] float64 <- Gram matrix of vecs [k, D] (deterministic float64 sums; one pass over vecs for "

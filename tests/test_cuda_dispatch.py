@@ -108,15 +108,16 @@ def test_too_many_classes_for_the_cuda_kernels_falls_back(fake_cuda, dtype, C, c
 
 
 def test_the_cuda_adapter_serves_what_its_methods_say(fake_cuda):
-    """No list of op names: the adapter's methods are its ops; an op it lacks (sample_batches,
-    hvp) goes to the reference even when cuda is requested."""
+    """No list of op names: the adapter's methods are its ops; an op it lacks (hvp, the host's
+    small solve) goes to the reference even when cuda is requested."""
     ops_ = backend.ADAPTERS["cuda"].ops()
     assert {"local_steps", "gradients", "evaluate", "kmeans_assign", "kmeans_update", "anderson_push",
-            "anderson_mix", "gram", "average"} == set(ops_)
+            "anderson_mix", "gram", "average", "sample_batches"} == set(ops_)
     t = _Tensor(torch.float32)
     with backend.use("cuda"):
         assert backend.select("average", None, t).name == "cuda"
-        for op in ("sample_batches", "hvp", "anderson_solve"):
+        assert backend.select("sample_batches", None, t).name == "cuda"
+        for op in ("hvp", "anderson_solve"):
             assert backend.select(op, None, t).name == "reference"
 
 

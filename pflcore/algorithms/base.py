@@ -139,7 +139,8 @@ class Context:
         # The round is the counter; the stream moves the seed by a multiple of the golden ratio,
         # so neither the number of rounds nor of streams is limited and no two draws repeat.
         seed = (self.seed + 0x9E3779B9 * (stream + 1)) & _M32
-        b = run_sample_batches(self.train, steps, batch_size, seed, t & _M32, clients)
+        b = run_sample_batches(self.train, steps, batch_size, seed, t & _M32, clients,
+                               trusted=clients is None or self._trusted(clients))
         if repeat > 1:
             b = b.repeat_interleave(repeat, dim=1)
         return self._mark(b)

@@ -14,7 +14,7 @@ The signatures, for R model rows of a model with d parameters on a ClientData ``
     gradients(model, theta [R, d] | [d], data, rows, batches int32 [R, B] | None, trusted) -> [R, d]
     evaluate(model, theta [R, d] | [d], data, rows) -> (loss_sum [R], correct int64 [R], count int64 [R])
     hvp(model, theta, v [R, d], data, rows, batches int32 [R, B], trusted) -> [R, d]
-    sample_batches(data, clients [R] | None, steps, batch_size, seed, counter) -> int32 [R, steps, B]
+    sample_batches(data, clients [R] | None, steps, batch_size, seed, counter, trusted) -> int32 [R, steps, B]
     kmeans_assign(points [N, d], centroids [K, d]) -> (labels int64 [N], sqdist [N])
     kmeans_update(points, labels int64 [N], weights [N] | None, centroids [K, d]) -> weight sums f64 [K]  (in place)
     kmeans_lloyd(points, centroids [K, d], weights | None, iters, tol) -> (labels int64 [N], history: list of

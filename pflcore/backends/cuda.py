@@ -234,6 +234,21 @@ class CudaAdapter(Adapter):
                    ptr(count, "count", dev, torch.int64), dtype_name(theta), stream(theta))
         return loss, correct, count
 
+    def sample_batches(self, data, clients, steps, batch_size, seed, counter, trusted=False):
+        """One launch of the counter-based hash (bitwise the reference's draws). ``trusted``: the
+        run's own clients (``Context.batches``): no screen, no host read."""
+        if not trusted:
+            _values.sample_batches_fault(data, clients)
+        offsets = data.offsets
+        dev = offsets.device
+        R = offsets.shape[0] - 1 if clients is None else clients.shape[0]
+        out = torch.empty(R, steps, batch_size, dtype=torch.int32, device=dev)
+        with torch.cuda.device(dev):
+            launch("sample_batches", self.module.sample_batches, ptr(offsets, "offsets", dev, torch.int64),
+                   ptr(clients, "clients", dev, torch.int64), data.first_client, R, steps, batch_size, seed, counter,
+                   ptr(out, "out", dev, torch.int32), stream(offsets))
+        return out
+
     def kmeans_assign(self, points, centroids):
         _values.kmeans_assign_fault(points, centroids)
         N = points.shape[0]

@@ -99,7 +99,7 @@ class NativeAdapter(Adapter):
 
     # ---- the rest ---------------------------------------------------------------------------
 
-    def sample_batches(self, data, clients, steps, batch_size, seed, counter):
+    def sample_batches(self, data, clients, steps, batch_size, seed, counter, trusted=False):
         offsets = data.offsets
         R = offsets.shape[0] - 1 if clients is None else clients.shape[0]
         out = torch.empty(R, steps, batch_size, dtype=torch.int32)

@@ -312,7 +312,7 @@ class ReferenceAdapter(Adapter):
 
     # ---- sampling, clustering, mixing, averaging --------------------------------------------
 
-    def sample_batches(self, data, clients, steps, batch_size, seed, counter):
+    def sample_batches(self, data, clients, steps, batch_size, seed, counter, trusted=False):
         _values.sample_batches_fault(data, clients)
         dev = data.x.device
         clients = _rows(data, clients)

@@ -39,8 +39,9 @@ def sample_batches(data, *, steps, batch_size, seed, counter, clients=None):
     return run_sample_batches(data, steps, batch_size, seed, counter, clients)
 
 
-def run_sample_batches(data, steps, batch_size, seed, counter, clients):
-    """``sample_batches`` without the algorithm guard (``Context.batches``)."""
+def run_sample_batches(data, steps, batch_size, seed, counter, clients, trusted: bool = False):
+    """``sample_batches`` without the algorithm guard (``Context.batches``; ``trusted``: clients
+    the run drew itself, which a GPU backend need not screen)."""
     if not isinstance(data, ClientData):
         raise ValueError(f"data: expected a pflcore.ClientData, got {type(data).__name__}")
     steps = check_positive_int(steps, "steps", minimum=0, maximum=MAX_COUNT)
@@ -53,7 +54,10 @@ def run_sample_batches(data, steps, batch_size, seed, counter, clients):
         raise ValueError(f"offsets: expected a contiguous int64 [m + 1] array with m >= 1, got {off.dtype} "
                          f"{list(off.shape)}")
     clients_t = rows_arg(clients, x, "clients")
-    return backend.select("sample_batches", None, x).sample_batches(data, clients_t, steps, B, seed, counter)
+    impl = backend.select("sample_batches", None, x)
+    if trusted:
+        return impl.sample_batches(data, clients_t, steps, B, seed, counter, trusted=True)
+    return impl.sample_batches(data, clients_t, steps, B, seed, counter)
 
 
 def sample_batches_ref(data, *, steps, batch_size, seed, counter, clients=None):

@@ -271,8 +271,8 @@ def test_cuda_average_faults_are_the_reference_ones(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_ops_without_gpu_kernels_run_on_cuda_tensors(dtype):
-    """sample_batches has no cuda/triton kernel (average has a cuda one, not a triton one): the
-    automatic choice runs the reference on the GPU, with the CPU's results."""
+    """average and sample_batches on CUDA tensors (cuda kernels; Triton has neither, so with
+    triton requested they run on the reference): the CPU's results, the draws bit for bit."""
     model, data = _glm_case("softmax", 5, 3, [3, 1, 7], dtype)
     theta = torch.randn(3, model.d, dtype=dtype)
     w = torch.tensor([0.2, 0.3, 0.5], dtype=dtype)
@@ -283,6 +283,32 @@ def test_ops_without_gpu_kernels_run_on_cuda_tensors(dtype):
     b_cpu = ops.sample_batches(data, steps=2, batch_size=5, seed=3, counter=4)
     b_gpu = ops.sample_batches(data.to(GPU), steps=2, batch_size=5, seed=3, counter=4)
     assert torch.equal(b_gpu.cpu(), b_cpu)
+
+
+@pytest.mark.parametrize("name", ["cuda", "reference"])
+def test_sample_batches_on_the_gpu_draws_the_cpu_draws(name):
+    """The counter-based hash on the GPU: the same int32 indices as the native core, with and
+    without clients (repeated, unsorted), for a shard (first_client > 0), seeds and counters
+    past 2^31, and a draw past one grid of blocks; a client index out of range is a ValueError."""
+    from pflcore import ClientData
+    model = models.Softmax(3, 2)
+    data = make_data(model, random_sizes(5000, seed=4, high=30), torch.float32, seed=1)
+    shard = ClientData(data.x, data.y, data.offsets, first_client=12_345)
+    clients = torch.tensor([7, 0, 4999, 7, 123])
+    cases = [dict(data=data, steps=3, batch_size=20, seed=3, counter=4),
+             dict(data=data, steps=2, batch_size=7, seed=2**32 - 1, counter=2**31 + 5, clients=clients),
+             dict(data=shard, steps=1, batch_size=1, seed=9, counter=0, clients=clients),
+             dict(data=data, steps=40, batch_size=50, seed=1, counter=1)]  # 10^7 draws
+    with _use(name):
+        for kw in cases:
+            want = ops.sample_batches(**kw)
+            gpu = dict(kw, data=kw["data"].to(GPU), **({"clients": kw["clients"].to(GPU)} if "clients" in kw else {}))
+            got = ops.sample_batches(**gpu)
+            assert got.dtype == torch.int32 and got.device.type == GPU.type
+            assert torch.equal(got.cpu(), want)
+        with pytest.raises(ValueError, match="clients"):
+            ops.sample_batches(data.to(GPU), steps=1, batch_size=2, seed=0, counter=0,
+                               clients=torch.tensor([0, 5000], device=GPU))
 
 
 def test_raw_pointers_are_checked_before_the_cuda_module_reads_them():
