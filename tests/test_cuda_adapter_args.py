@@ -225,3 +225,43 @@ def test_average_faults_are_the_reference_ones(adapter):
     with pytest.raises(ValueError, match="sum to 0"):
         adapter.average(theta, w, torch.zeros(0, dtype=torch.int64))
     assert len(adapter.module.calls) == n  # no rows: nothing launched
+
+
+class _Alive:
+    """A stand-in for a device address that does not keep its tensor alive: the module checks at
+    the launch that the tensor still exists (only its address travels, so a temporary freed
+    before the launch would be read after its memory went back to the allocator)."""
+
+    def __init__(self, t, name):
+        import weakref
+        self.ref, self.name = weakref.ref(t), name
+
+
+def test_every_tensor_handed_to_the_module_is_alive_at_the_launch(monkeypatch):
+    import gc
+    a = _cuda.CudaAdapter()
+    dead = []
+
+    class _Checking(_Module):
+        def __getattr__(self, op):
+            if op.startswith("_"):
+                raise AttributeError(op)
+
+            def call(*args):
+                gc.collect()
+                dead.extend(f"{op}: {x.name}" for x in args if isinstance(x, _Alive) and x.ref() is None)
+            return call
+
+    monkeypatch.setattr(a, "_state", (_Checking(), ""))
+    monkeypatch.setattr(_cuda, "ptr", lambda t, name, device, dtype=None: None if t is None else _Alive(t, name))
+    monkeypatch.setattr(_cuda, "stream", lambda t: 0)
+    monkeypatch.setattr(torch.cuda, "device", lambda dev: contextlib.nullcontext())
+    model, data = _glm(torch.float32)
+    theta = torch.zeros(3, model.d)
+    a.local_steps(model, theta, data, None, None, None, None, 2, 0.1, 0.0)  # rows materialized here
+    a.gradients(model, theta, data, None, None)
+    a.evaluate(model, theta, data, None)
+    a.evaluate(model, theta[0], data, None)  # a shared model
+    a.sample_batches(data, None, 2, 3, 0, 0)
+    a.average(theta, torch.ones(3), None)
+    assert not dead, f"freed before the kernel could read them: {dead}"

@@ -125,17 +125,22 @@ def model_rows(theta: torch.Tensor, data, rows: Optional[torch.Tensor]) -> int:
     return theta.shape[0]
 
 
-def glm_args(model, theta: torch.Tensor, data, rows: Optional[torch.Tensor]) -> tuple:
-    """The leading arguments of _core_cuda.local_steps / gradients / evaluate, up to R (rows
-    materialized: the kernels index them)."""
+def glm_args(model, theta: torch.Tensor, data, rows: torch.Tensor) -> tuple:
+    """The leading arguments of _core_cuda.local_steps / gradients / evaluate, up to R. ``rows``
+    must be materialized by the caller (``all_rows``) and held until the launch: only its
+    address goes to the module, so a temporary made here would be freed before the kernel reads
+    it (compute-sanitizer's memcheck on an H100 caught that)."""
     dev, dt = theta.device, theta.dtype
-    if rows is None:
-        rows = torch.arange(data.offsets.numel() - 1, device=dev)
     y_dtype = torch.int64 if model.is_classifier else dt
     return (model.code, model.p, model.C, model.fit_intercept, model.l2, ptr(theta, "theta", dev, dt),
             ptr(data.x, "x", dev, dt), ptr(data.y, "y", dev, y_dtype),
             ptr(data.offsets, "offsets", dev, torch.int64), ptr(rows, "rows", dev, torch.int64),
             model_rows(theta, data, rows))
+
+
+def all_rows(data, rows: Optional[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """``rows``, or every client's index when None (the kernels index a rows array)."""
+    return torch.arange(data.offsets.numel() - 1, device=device) if rows is None else rows
 
 
 def scratch(values: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -200,6 +205,7 @@ class CudaAdapter(Adapter):
         if not trusted:  # the run's own draws: no pre-pass, no host sync (see _values.py)
             _values.glm_fault(model, theta, data, rows, batches, anchor, grad_scale)
         dev, dt = theta.device, theta.dtype
+        rows = all_rows(data, rows, dev)  # held until the launch (glm_args passes its address)
         with torch.cuda.device(dev):
             # G of each resident block when W and G do not fit shared memory: [min(R, rows), d]
             n_scratch = min(theta.shape[0], self._scratch_rows(model, dt, dev))
@@ -214,6 +220,7 @@ class CudaAdapter(Adapter):
         if not trusted:  # the run's own draws: no pre-pass, no host sync (see _values.py)
             _values.glm_fault(model, theta, data, rows, batches)
         dev = theta.device
+        rows = all_rows(data, rows, dev)  # held until the launch (glm_args passes its address)
         out = torch.empty(model_rows(theta, data, rows), model.d, dtype=theta.dtype, device=dev)
         with torch.cuda.device(dev):
             launch("gradients", self.module.gradients, *glm_args(model, theta, data, rows), theta.dim() == 1,
@@ -226,6 +233,7 @@ class CudaAdapter(Adapter):
         if not trusted:  # the run's own draws: no pre-pass, no host sync (see _values.py)
             _values.glm_fault(model, theta, data, rows, batches)
         dev = theta.device
+        rows = all_rows(data, rows, dev)  # held until the launch (glm_args passes its address)
         loss, correct, count = evaluation_outputs(model_rows(theta, data, rows), theta.dtype, dev)
         with torch.cuda.device(dev):
             launch("evaluate", self.module.evaluate, *glm_args(model, theta, data, rows), theta.dim() == 1,
