@@ -163,9 +163,9 @@ def _requested(name: str, op: str, model, tensor, dev: str) -> Adapter:
     if module is None:
         raise BackendUnavailable(f"{op}: backend {name!r} was requested but cannot be used: {reason}")
     if op not in a.ops():
-        # an op the requested backend has no kernel for (sample_batches on cuda and triton, average on
-        # triton; Anderson's small solve, always on the host) runs on the reference, so that a
-        # whole run can be forced onto a backend
+        # an op the requested backend has no kernel for (sample_batches and average on triton;
+        # Anderson's small solve, always on the host) runs on the reference, so that a whole run
+        # can be forced onto a backend
         return REFERENCE
     if not a.serves(dev):
         served = "/".join(d for d in ("cpu", "cuda") if a.serves(d))
