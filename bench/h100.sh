@@ -5,13 +5,15 @@
 # Logs and results go to $OUT (8 files at most come back). Each stage has its own time limit so
 # that one hang leaves the others' results. Run from the repository root:
 #   PFLCORE_GIT_COMMIT=$(git rev-parse HEAD) bash bench/h100.sh
+# All stages take ~12 minutes: over one call's 10. Split them, e.g. STAGES="build tests san" in a
+# first call and STAGES="build bench fed ncu" in a second (each call starts a bare machine).
 set -u
 OUT=${OUT:-/tmp/h100-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=python3
 T0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
-STAGES=${STAGES:-"build tests bench fed ncu"}
+STAGES=${STAGES:-"build tests san bench fed ncu"}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 
 {
@@ -33,10 +35,18 @@ has() { [[ " $STAGES " == *" $1 "* ]]; }
 } > "$OUT/info.log" 2>&1
 cat "$OUT/info.log" | tail -25
 
+# tests/gpu alone first (it needs the GPU's attention: ~4 minutes with 10 workers), then the three
+# sanitizers side by side. TESTS_LIMIT / SAN_LIMIT: each stage's seconds.
 if has tests; then
-  stamp "tests/gpu and compute-sanitizer (in parallel)"
-  (timeout 210 $PY -P -m pytest tests/gpu -q -rs -p no:cacheprovider -n 10 --durations=15 > "$OUT/tests.log" 2>&1
-   echo "pytest rc=$?" >> "$OUT/tests.log") &
+  stamp "tests/gpu"
+  timeout ${TESTS_LIMIT:-300} $PY -P -m pytest tests/gpu -q -rfs -p no:cacheprovider -n 10 --durations=15 \
+    --junitxml="$OUT/tests.xml" > "$OUT/tests.log" 2>&1
+  echo "pytest rc=$?" >> "$OUT/tests.log"
+  grep -v "Benchmark\|warner" "$OUT/tests.log" | tail -30
+fi
+
+if has san; then
+  stamp "compute-sanitizer memcheck, racecheck, synccheck (in parallel)"
   # only pflcore's kernels are instrumented (torch's run unchecked): when this sanitizer knows the filter
   FILTER=""; compute-sanitizer --help 2>&1 | grep -q -- "--kernel-name " && FILTER="--kernel-name kns=pflcore"
   echo "sanitizer filter: ${FILTER:-none}"
@@ -47,8 +57,8 @@ if has tests; then
       extra=""; [ $tool = memcheck ] && extra="--leak-check no"
       # memcheck: every tensor its own cudaMalloc, so that a read past a scratch buffer is caught
       [ $tool = memcheck ] && export PYTORCH_NO_CUDA_MEMORY_CACHING=1
-      timeout 200 compute-sanitizer --tool $tool $extra $FILTER --print-limit 20 \
-        $PY -P -m pytest tests/gpu/test_ops_gpu.py tests/gpu/test_cuda_scale.py -q -p no:cacheprovider -k "$SAN_K" \
+      timeout ${SAN_LIMIT:-300} compute-sanitizer --tool $tool $extra $FILTER --print-limit 20 \
+        $PY -P -m pytest tests/gpu/test_ops_gpu.py tests/gpu/test_cuda_scale.py -q -rf -p no:cacheprovider -k "$SAN_K" \
         > /tmp/san_$tool.log 2>&1
       echo "compute-sanitizer $tool rc=$?" >> /tmp/san_$tool.log
     ) &
@@ -57,7 +67,7 @@ if has tests; then
   for tool in memcheck racecheck synccheck; do
     echo "===== $tool (first 150 lines)"; head -150 /tmp/san_$tool.log; echo "===== $tool (last 25 lines)"; tail -25 /tmp/san_$tool.log
   done > "$OUT/sanitize.log"
-  grep -v "Benchmark" "$OUT/tests.log" | tail -30; grep -h "ERROR SUMMARY\|rc=\|passed\|failed" /tmp/san_*.log
+  grep -h "ERROR SUMMARY\|rc=\|passed\|failed\|FAILED" /tmp/san_*.log
 fi
 
 if has bench; then
@@ -67,9 +77,10 @@ if has bench; then
 fi
 if has fed; then
   stamp "bench/gpu_federation.py"
+  # its log goes after bench/gpu.py's (8 files at most come back from a call)
   timeout 50 $PY -P bench/gpu_federation.py --memory-clients 20000 --out "$OUT/gpu_federation.json" \
-    > "$OUT/federation.log" 2>&1; echo "gpu_federation.py rc=$?" >> "$OUT/federation.log"
-  tail -16 "$OUT/federation.log"
+    > /tmp/federation.log 2>&1; echo "gpu_federation.py rc=$?" >> /tmp/federation.log
+  cat /tmp/federation.log >> "$OUT/bench.log"; tail -16 /tmp/federation.log
 fi
 if has ncu; then
   stamp "ncu"
