@@ -259,6 +259,7 @@ def _diverged(algorithm: Algorithm, t: int, what: str, saved: Optional[str], all
 def _round(algorithm: Algorithm, state, ctx: Context, t: int, saved: Optional[str]):
     """One round; NaN/inf appearing inside it (an op's finiteness check) or in the new state is
     reported as a divergence of this round (on every rank, when any rank's state has it)."""
+    ctx._changed = [] if algorithm.marks_changed_rows else None
     try:
         if ctx.privacy is not None:
             ctx.privacy.begin_round(t)
@@ -269,11 +270,30 @@ def _round(algorithm: Algorithm, state, ctx: Context, t: int, saved: Optional[st
     except NonFiniteError as exc:
         raise _diverged(algorithm, t, f"an intermediate result has NaN/inf values ({exc})", saved,
                         all_ranks=not ctx.sharded) from exc
-    bad = next((name for name, tensor in state_tensors(state) if not all_finite(tensor)), None)
+    bad = _first_nonfinite(state, ctx)
     if ctx.comm.max(0.0 if bad is None else 1.0) > 0:
         where = f"state.{bad}" if bad is not None else f"the state of another rank (this is rank {ctx.comm.rank})"
         raise _diverged(algorithm, t, f"{where} has NaN/inf values", saved)
     return state
+
+
+def _first_nonfinite(state, ctx: Context) -> Optional[str]:
+    """The first state field with a NaN/inf after a round: every field whole, or, when the
+    algorithm marks the rows it changed (Context.changed_rows), only those rows of the
+    per-client fields (the others were checked in the round that last changed them)."""
+    changed = ctx._changed
+    ctx._changed = None
+    rows = None
+    if changed is not None:
+        rows = torch.cat(changed) if changed else None
+    for name, tensor, per_client in state_tensors(state, with_kind=True):
+        if changed is not None and per_client and tensor.dim() >= 1:
+            if rows is None:  # the round changed no per-client row
+                continue
+            tensor = tensor.index_select(0, rows.to(tensor.device))
+        if not all_finite(tensor):
+            return name
+    return None
 
 
 def _privacy_columns(mechanism: Optional[Mechanism]) -> dict:

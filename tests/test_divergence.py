@@ -163,3 +163,73 @@ def test_the_cli_records_a_divergence_in_evaluation_and_goes_on(tmp_path, capsys
     assert local["diverged"] == [] and local["stat_error_local"] > 0
     table = capsys.readouterr().out
     assert re.search(r"PerFedAvg +- +- +diverged in round \d+ \(2 of 2 seeds; first: seed 0\)", table), table
+
+
+# ---- the check after a round: only the rows an algorithm marks as changed ----------------------
+
+def _marking_fed():
+    return D.synthetic(0.5, 0.5, num_clients=40, dim=6, num_classes=3, seed=1)
+
+
+def test_a_nan_in_a_marked_row_still_stops_the_run_at_that_round(monkeypatch):
+    """pFedMe marks its trainers' rows (train_all=False); a NaN written into one of them in
+    round 3 stops the run there, named."""
+    real_round = A.PFedMe.round
+
+    def poisoned(self, state, ctx, t):
+        state = real_round(self, state, ctx, t)
+        if t == 3:
+            S = ctx.sample_clients(t)
+            state.theta[S[0], 0] = float("nan")  # a row this round changed
+        return state
+
+    monkeypatch.setattr(A.PFedMe, "round", poisoned)
+    alg = A.PFedMe(lam=15.0, lr=0.01, personal_lr=0.01, inner_steps=2, local_rounds=2, train_all=False)
+    with pytest.raises(DivergenceError, match=r"pFedMe diverged in round 3: state\.theta has NaN/inf"):
+        pflcore.run(alg, _marking_fed(), M.Softmax(6, 3), rounds=5, clients_per_round=5, progress=False)
+
+
+def test_the_check_reads_only_the_marked_rows_of_per_client_fields(monkeypatch):
+    """What the round's check reads: for pFedMe with 5 of 40 clients a round, 5 rows of each
+    [m, d] field and all of w; for an algorithm that marks nothing (FedAvg's state has no
+    per-client field; a subclass of pFedMe with marking off), every row."""
+    import sys
+    R = sys.modules["pflcore.run"]  # the module (pflcore.run is also the function)
+    seen, inside = [], [False]
+    real, real_round = R.all_finite, R._round
+    monkeypatch.setattr(R, "all_finite", lambda t: (inside[0] and seen.append(tuple(t.shape))) or real(t))
+
+    def in_round(*a, **k):  # only the check after the round (the evaluations check what they read)
+        inside[0] = True
+        try:
+            return real_round(*a, **k)
+        finally:
+            inside[0] = False
+    monkeypatch.setattr(R, "_round", in_round)
+    fed, model = _marking_fed(), M.Softmax(6, 3)
+    alg = A.PFedMe(lam=15.0, lr=0.01, personal_lr=0.01, inner_steps=2, local_rounds=2, train_all=False)
+    pflcore.run(alg, fed, model, rounds=2, clients_per_round=5, progress=False)
+    d = model.d
+    # w_local[S] and theta[S] in each of the two rounds; never a whole [m, d] field
+    assert seen.count((5, d)) == 4 and (40, d) not in seen
+
+    class Unmarked(A.PFedMe):
+        marks_changed_rows = False
+
+    seen.clear()
+    pflcore.run(Unmarked(lam=15.0, lr=0.01, personal_lr=0.01, inner_steps=2, local_rounds=2, train_all=False),
+                fed, model, rounds=2, clients_per_round=5, progress=False)
+    assert seen.count((40, d)) == 4 and (5, d) not in seen  # two [m, d] fields, two rounds
+
+
+def test_marked_rows_give_the_same_run_bitwise():
+    """The check reads less; the run is the same: Ditto and pFedMe with and without marking."""
+    fed, model = _marking_fed(), M.Softmax(6, 3)
+    for make in (lambda: A.PFedMe(lam=15.0, lr=0.01, personal_lr=0.01, inner_steps=2, local_rounds=2,
+                                  train_all=False),
+                 lambda: A.Ditto(lam=0.5, lr=0.05, local_steps=2, batch_size=4)):
+        a, b = make(), make()
+        b.marks_changed_rows = False
+        ra = pflcore.run(a, fed, model, rounds=4, clients_per_round=5, progress=False)
+        rb = pflcore.run(b, fed, model, rounds=4, clients_per_round=5, progress=False)
+        assert (ra.personalized == rb.personalized).all() and (ra.global_model == rb.global_model).all()

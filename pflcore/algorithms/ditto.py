@@ -41,6 +41,7 @@ class Ditto(Algorithm):
     models: v."""
 
     name = "Ditto"
+    marks_changed_rows = True  # a round changes the sampled clients' rows of v only
 
     def __init__(self, lam: float, lr: float, local_steps: int = 1, personal_lr: Optional[float] = None,
                  personal_steps: Optional[int] = None, batch_size: Optional[int] = None):
@@ -72,6 +73,7 @@ class Ditto(Algorithm):
         ctx.local_steps(V, steps=self.personal_steps, lr=self.personal_lr, prox=self.lam,
                         anchor=state.w, rows=S, batches=bv)
         state.v[S] = V
+        ctx.changed_rows(S)
         state.w = ctx.average(W, ctx.weights[S], center=state.w)
         return state
 

@@ -56,6 +56,7 @@ class PFedMe(ServerModelFixedPoint, Algorithm):
         self.personal_eval = personal_eval
 
     working_copies = 2  # the round's w_i and θ_i of every trainer
+    marks_changed_rows = True  # a round changes the trainers' rows of w_local and theta only
 
     def clients_trained_per_round(self, m: int, clients_per_round: Optional[int]) -> int:
         return m if self.train_all else super().clients_trained_per_round(m, clients_per_round)
@@ -82,6 +83,7 @@ class PFedMe(ServerModelFixedPoint, Algorithm):
             w_local -= self.lr * self.lam * (w_local - theta)
         state.w_local[trainers] = w_local
         state.theta[trainers] = theta
+        ctx.changed_rows(trainers)
         mean = ctx.average(state.w_local[S].contiguous(), ctx.weights[S], center=state.w)
         state.w = (1 - self.beta) * state.w + self.beta * mean
         return state
