@@ -49,6 +49,7 @@ class APFL(Algorithm):
     mixtures with the current w."""
 
     name = "APFL"
+    marks_changed_rows = True  # a round changes the sampled clients' rows of v and alpha only
 
     def __init__(self, alpha: float, lr: float, local_steps: int = 1, adaptive_alpha: bool = False,
                  alpha_lr: Optional[float] = None, batch_size: Optional[int] = None):
@@ -88,6 +89,7 @@ class APFL(Algorithm):
                     a = (a - self.alpha_lr * da).clamp_(0.0, 1.0)
         state.v[S] = V
         state.alpha[S] = a
+        ctx.changed_rows(S)
         state.w = ctx.average(W, ctx.weights[S], center=state.w)
         return state
 

@@ -49,6 +49,8 @@ class SharedBodyState:
 class _SharedBody(Algorithm):
     """The round and the models of FedPer and FedRep; ``_train`` runs a client's local phase."""
 
+    marks_changed_rows = True  # a round changes the sampled clients' rows of heads only
+
     def __init__(self, lr: float, batch_size: Optional[int]):
         self.lr = positive(lr, "lr", self.name)
         self.batch_size = None if batch_size is None else count_int(batch_size, "batch_size", self.name)
@@ -73,6 +75,7 @@ class _SharedBody(Algorithm):
         theta = self._with_body(state.heads[S], state.w, head).contiguous()
         self._train(theta, ctx, t, S, head)
         state.heads[S] = theta
+        ctx.changed_rows(S)
         # its body is the new shared body; the heads stay on the clients (sent as the old w's: no release)
         state.w = ctx.average(self._with_body(state.w, theta, head).contiguous(), ctx.weights[S], center=state.w)
         return state
