@@ -58,3 +58,23 @@ def test_local_steps_bytes_counts_k_passes_over_the_data():
     # B = 5 rows a step: 4·(2·5)·(12 + 8 + 4) instead of the K passes over all rows
     assert W.local_steps_bytes(2, 10, 3, 8, 4, batch_size=5) == 960 + 128 + 32 + 24 + 16
     assert W.local_steps_flops(10, 8, 4) == 4 * 10 * 2 * 2 * 8
+
+
+def test_the_federation_benchmark_runs_its_code_paths_on_the_cpu(tmp_path):
+    """bench/gpu_federation.py --dry-run: both algorithms at both cohort sizes on a tiny
+    federation (the GPU columns need a GPU), results written; without a GPU and without
+    --dry-run it says so and exits 0."""
+    import json
+    out = tmp_path / "fed.json"
+    r = subprocess.run([sys.executable, os.path.join(BENCH, "gpu_federation.py"), "--dry-run", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    runs = json.loads(out.read_text())["runs"]
+    assert {(x["algorithm"].split("(")[0], x["clients_per_round"]) for x in runs} == \
+        {("FedAvg", 5), ("FedAvg", 50), ("PFedMe", 5), ("PFedMe", 50)}
+    assert all(x["round_s"] > 0 and x["evaluate_s"] > 0 and x["device"] == "cpu" for x in runs)
+    if not torch.cuda.is_available():
+        r = subprocess.run([sys.executable, os.path.join(BENCH, "gpu_federation.py"), "--out", str(out) + "2"],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and "no CUDA device" in r.stdout
+        assert not os.path.exists(str(out) + "2")
