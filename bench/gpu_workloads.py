@@ -94,19 +94,8 @@ def gemm_rate(cfg: Config) -> float:
 
 def median_call(fn, cfg: Config, calls: int = 300) -> float:
     """Median wall time of one ``fn()`` with the device synchronized after each call (a latency:
-    what a caller waits for one small call)."""
-    import statistics
-    import time as _time
-    for _ in range(10):
-        fn()
-    sync(cfg.device)
-    times = []
-    for _ in range(calls):
-        t0 = _time.perf_counter()
-        fn()
-        sync(cfg.device)
-        times.append(_time.perf_counter() - t0)
-    return statistics.median(times)
+    what a caller waits for one small call), after 10 untimed calls."""
+    return harness.time_runs(fn, calls, sync=lambda: sync(cfg.device), warmup=10).median
 
 
 # ---- 1. local_steps --------------------------------------------------------------------------

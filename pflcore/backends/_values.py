@@ -141,20 +141,12 @@ def kmeans_update_fault(labels: torch.Tensor, weights: Optional[torch.Tensor], K
 
 
 def average_fault(theta: torch.Tensor, weights: torch.Tensor, rows: Optional[torch.Tensor]) -> None:
-    M = theta.shape[0]
-    flags = []
-    w, th = weights, theta
-    if rows is not None and rows.numel():
-        first, last = torch.aminmax(rows)
-        flags.append((first < 0) | (last >= M))
-        safe = rows.clamp(0, M - 1)
-        w, th = weights[safe], theta.index_select(0, safe)
-    elif rows is not None:
-        w, th = weights[:0], theta[:0]
-    if w.numel():
-        flags.append(_weights_flag(w))
-    flags += [~(w.to(torch.float64).sum() > 0), _nonfinite(th)]  # an empty sum is 0: flagged
-    if _flagged(flags):
+    if rows is not None and rows.numel() == 0:  # the weights of no rows sum to 0: a fault
+        _faults.average_fault(theta, weights, rows)
+        return
+    safe, _, flags = average_screen(theta, weights, rows)
+    th = theta if safe is None else theta.index_select(0, safe)
+    if _flagged(flags + [_nonfinite(th)]):
         _faults.average_fault(theta, weights, rows)
 
 

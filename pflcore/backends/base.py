@@ -90,6 +90,14 @@ class Adapter:
         return cached
 
 
+def all_rows(data, rows):
+    """``rows``, or every client's index when None: the kernels index a rows array. An adapter
+    that hands only the address to a module keeps the tensor alive until the launch."""
+    import torch
+
+    return torch.arange(data.offsets.numel() - 1, device=data.x.device) if rows is None else rows
+
+
 def evaluation_outputs(R: int, dtype, device):
     """(loss_sum [R], correct int64 [R], count int64 [R]): what a kernel's evaluate writes."""
     import torch

@@ -19,7 +19,7 @@ from typing import Callable, List, Optional
 import torch
 
 from pflcore.backends import _values
-from pflcore.backends.base import Adapter, evaluation_outputs, label_segments
+from pflcore.backends.base import Adapter, all_rows, evaluation_outputs, label_segments
 from pflcore.errors import CudaKernelError
 
 
@@ -138,11 +138,6 @@ def glm_args(model, theta: torch.Tensor, data, rows: torch.Tensor) -> tuple:
             model_rows(theta, data, rows))
 
 
-def all_rows(data, rows: Optional[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """``rows``, or every client's index when None (the kernels index a rows array)."""
-    return torch.arange(data.offsets.numel() - 1, device=device) if rows is None else rows
-
-
 def scratch(values: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Scratch memory of a kernel from torch's caching allocator, on the current stream: freed
     when the caller drops it, reused in stream order by later work (the module allocates none)."""
@@ -205,7 +200,7 @@ class CudaAdapter(Adapter):
         if not trusted:  # the run's own draws: no pre-pass, no host sync (see _values.py)
             _values.glm_fault(model, theta, data, rows, batches, anchor, grad_scale)
         dev, dt = theta.device, theta.dtype
-        rows = all_rows(data, rows, dev)  # held until the launch (glm_args passes its address)
+        rows = all_rows(data, rows)  # held until the launch (glm_args passes its address)
         with torch.cuda.device(dev):
             # G of each resident block when W and G do not fit shared memory: [min(R, rows), d]
             n_scratch = min(theta.shape[0], self._scratch_rows(model, dt, dev))
@@ -220,7 +215,7 @@ class CudaAdapter(Adapter):
         if not trusted:  # the run's own draws: no pre-pass, no host sync (see _values.py)
             _values.glm_fault(model, theta, data, rows, batches)
         dev = theta.device
-        rows = all_rows(data, rows, dev)  # held until the launch (glm_args passes its address)
+        rows = all_rows(data, rows)  # held until the launch (glm_args passes its address)
         out = torch.empty(model_rows(theta, data, rows), model.d, dtype=theta.dtype, device=dev)
         with torch.cuda.device(dev):
             launch("gradients", self.module.gradients, *glm_args(model, theta, data, rows), theta.dim() == 1,
@@ -233,7 +228,7 @@ class CudaAdapter(Adapter):
         if not trusted:  # the run's own draws: no pre-pass, no host sync (see _values.py)
             _values.glm_fault(model, theta, data, rows, batches)
         dev = theta.device
-        rows = all_rows(data, rows, dev)  # held until the launch (glm_args passes its address)
+        rows = all_rows(data, rows)  # held until the launch (glm_args passes its address)
         loss, correct, count = evaluation_outputs(model_rows(theta, data, rows), theta.dtype, dev)
         with torch.cuda.device(dev):
             launch("evaluate", self.module.evaluate, *glm_args(model, theta, data, rows), theta.dim() == 1,

@@ -63,7 +63,7 @@ import torch.nn.functional as F
 
 from pflcore.backends import _values
 from pflcore.backends._precision import nets_math
-from pflcore.backends.base import Adapter
+from pflcore.backends.base import Adapter, all_rows
 from pflcore.client_data import ClientData
 from pflcore.models.nets import CNN, MLP, TorchNet
 from pflcore.backends import cnn_batched
@@ -624,10 +624,6 @@ def hvp(model: TorchNet, theta: torch.Tensor, v: torch.Tensor, data: ClientData,
 
 # ---- the adapter -------------------------------------------------------------------------------
 
-def _all_rows(data: ClientData, rows: Optional[torch.Tensor]) -> torch.Tensor:
-    return torch.arange(data.offsets.numel() - 1, device=data.x.device) if rows is None else rows
-
-
 class NetsAdapter(Adapter):
     """The torch nets' implementation (chosen by the model's type, on CPU and CUDA tensors)."""
 
@@ -644,18 +640,18 @@ class NetsAdapter(Adapter):
         if steps == 0:
             return
         _values.glm_fault(model, theta, data, rows, batches, anchor, grad_scale)
-        local_steps(model, theta, data, _all_rows(data, rows), batches, anchor, grad_scale, steps, lr, prox, lr_scale)
+        local_steps(model, theta, data, all_rows(data, rows), batches, anchor, grad_scale, steps, lr, prox, lr_scale)
 
     @nets_math  # PFLCORE_NETS_TF32=0: full float32 (backends/_precision.py)
     def gradients(self, model, theta, data, rows, batches, trusted=False):
         _values.glm_fault(model, theta, data, rows, batches)
         theta = _values.one_per_row(theta, data, rows)
-        return gradients(model, theta, data, _all_rows(data, rows), batches)
+        return gradients(model, theta, data, all_rows(data, rows), batches)
 
     @nets_math  # PFLCORE_NETS_TF32=0: full float32 (backends/_precision.py)
     def evaluate(self, model, theta, data, rows, batches=None, trusted=False):
         _values.glm_fault(model, theta, data, rows, batches)
-        return evaluate(model, theta, data, _all_rows(data, rows), batches)
+        return evaluate(model, theta, data, all_rows(data, rows), batches)
 
     @nets_math  # PFLCORE_NETS_TF32=0: full float32 (backends/_precision.py)
     def hvp(self, model, theta, v, data, rows, batches, trusted=False):

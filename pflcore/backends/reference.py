@@ -9,22 +9,18 @@ the reference raises exactly the errors the native kernels raise.
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from pflcore.backends import _values
 from pflcore.backends._lloyd import lloyd_loop
-from pflcore.backends.base import Adapter
+from pflcore.backends.base import Adapter, all_rows
 from pflcore.models.glm import GLM
 from pflcore.models.nets import TorchNet
 
 _M32 = 0xFFFFFFFF
-
-
-def _rows(data, rows: Optional[torch.Tensor]) -> torch.Tensor:
-    return torch.arange(data.offsets.numel() - 1, device=data.x.device) if rows is None else rows
 
 
 def _client_rows(data, i: int) -> Tuple[int, int]:
@@ -239,7 +235,7 @@ class ReferenceAdapter(Adapter):
         if steps == 0:
             return
         _values.glm_fault(model, theta, data, rows, batches, anchor, grad_scale)
-        rows = _rows(data, rows)
+        rows = all_rows(data, rows)
         b = None if batches is None else batches.to(torch.int64)
         net = isinstance(model, TorchNet)
         module = _module(model, theta.dtype, theta.device) if net else None
@@ -261,7 +257,7 @@ class ReferenceAdapter(Adapter):
     def gradients(self, model, theta, data, rows, batches, trusted=False):
         _values.glm_fault(model, theta, data, rows, batches)
         theta = _values.one_per_row(theta, data, rows)
-        rows = _rows(data, rows)
+        rows = all_rows(data, rows)
         b = None if batches is None else batches.to(torch.int64)
         net = isinstance(model, TorchNet)
         module = _module(model, theta.dtype, theta.device) if net else None
@@ -279,7 +275,7 @@ class ReferenceAdapter(Adapter):
     def evaluate(self, model, theta, data, rows, batches=None, trusted=False):
         _values.glm_fault(model, theta, data, rows, batches)
         theta = _values.one_per_row(theta, data, rows)
-        rows = _rows(data, rows)
+        rows = all_rows(data, rows)
         b = None if batches is None else batches.to(torch.int64)
         R, dev = theta.shape[0], theta.device
         loss = torch.empty(R, dtype=theta.dtype, device=dev)
@@ -315,7 +311,7 @@ class ReferenceAdapter(Adapter):
     def sample_batches(self, data, clients, steps, batch_size, seed, counter, trusted=False):
         _values.sample_batches_fault(data, clients)
         dev = data.x.device
-        clients = _rows(data, clients)
+        clients = all_rows(data, clients)
         R = clients.numel()
         shape = (R, steps, batch_size)
         first = data.first_client  # global id of local client 0 (a shard of a federation)

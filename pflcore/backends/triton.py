@@ -10,11 +10,7 @@ from typing import List
 import torch
 
 from pflcore.backends import _values
-from pflcore.backends.base import Adapter, evaluation_outputs, label_segments
-
-
-def _rows(data, rows, device):
-    return torch.arange(data.offsets.numel() - 1, device=device) if rows is None else rows
+from pflcore.backends.base import Adapter, all_rows, evaluation_outputs, label_segments
 
 
 class TritonAdapter(Adapter):
@@ -53,13 +49,13 @@ class TritonAdapter(Adapter):
             return
         if not trusted:  # the run's own draws: no pre-pass, no host sync (see _values.py)
             _values.glm_fault(model, theta, data, rows, batches, anchor, grad_scale)
-        self.module.local_steps(model, theta, data, _rows(data, rows, theta.device), batches, anchor, grad_scale,
+        self.module.local_steps(model, theta, data, all_rows(data, rows), batches, anchor, grad_scale,
                                 steps, lr, prox)
 
     def gradients(self, model, theta, data, rows, batches, trusted=False):
         if not trusted:  # the run's own draws: no pre-pass, no host sync (see _values.py)
             _values.glm_fault(model, theta, data, rows, batches)
-        rows = _rows(data, rows, theta.device)
+        rows = all_rows(data, rows)
         # a shared model [d] is read by every row in place (row stride 0), not copied to [R, d]
         out = torch.empty(rows.numel(), model.d, dtype=theta.dtype, device=theta.device)
         self.module.gradients(model, theta, data, rows, batches, out)
@@ -69,7 +65,7 @@ class TritonAdapter(Adapter):
         if not trusted:  # the run's own draws: no pre-pass, no host sync (see _values.py)
             _values.glm_fault(model, theta, data, rows, batches)
         dev = theta.device
-        rows = _rows(data, rows, dev)
+        rows = all_rows(data, rows)
         loss, correct, count = evaluation_outputs(rows.numel(), theta.dtype, dev)
         # whole clients or the sample ``batches [R, B]``: one launch either way
         self.module.evaluate(model, theta, data, rows, batches, loss, correct, count)

@@ -54,10 +54,8 @@ def run_sample_batches(data, steps, batch_size, seed, counter, clients, trusted:
         raise ValueError(f"offsets: expected a contiguous int64 [m + 1] array with m >= 1, got {off.dtype} "
                          f"{list(off.shape)}")
     clients_t = rows_arg(clients, x, "clients")
-    impl = backend.select("sample_batches", None, x)
-    if trusted:
-        return impl.sample_batches(data, clients_t, steps, B, seed, counter, trusted=True)
-    return impl.sample_batches(data, clients_t, steps, B, seed, counter)
+    return backend.select("sample_batches", None, x).sample_batches(data, clients_t, steps, B, seed, counter,
+                                                                     trusted=trusted)
 
 
 def sample_batches_ref(data, *, steps, batch_size, seed, counter, clients=None):
