@@ -335,6 +335,15 @@ PYBIND11_MODULE(_core, m) {
     require(k >= 1 && G && pi, "anderson_solve", "expected k >= 1 and non-null buffers");
     cpu::anderson_solve(as<const double>(G), k, reg, as<double>(pi));
   });
+  m.def("water_fill", [](ptr_t costs, int64_t r, int64_t k, ptr_t w, ptr_t alpha) {
+    require(r >= 0 && k >= 1 && costs && w && alpha, "water_fill", "expected r >= 0, k >= 1 and non-null buffers");
+    Faults faults;
+    {
+      py::gil_scoped_release nogil;
+      cpu::water_fill(as<const double>(costs), r, k, as<const double>(w), as<double>(alpha), faults);
+    }
+    raise_faults(faults);
+  });
   m.def("sample_batches", [](ptr_t offsets, int64_t m, int64_t N, ptr_t clients, int64_t first_id, int64_t R,
                              int64_t steps, int64_t B, uint32_t seed, uint32_t counter, ptr_t out) {
     require(offsets && m >= 1 && R >= 0 && steps >= 0 && B >= 1 && (out || R * steps == 0), "sample_batches",

@@ -10,7 +10,8 @@ import torch
 import pflcore
 from pflcore import algorithms as A
 from pflcore import data, models
-from pflcore.algorithms.perm import PERM, mixing_weights, pairwise_sqdist, screened_weights, water_filling
+from pflcore.algorithms.perm import (PERM, mixing_weights, pairwise_sqdist, screened_weights, water_filling,
+                                     water_filling_ref)
 
 
 def _project_simplex(v: torch.Tensor) -> torch.Tensor:
@@ -55,10 +56,58 @@ def test_water_filling_candidate_screen_is_exact(lam):
     g = torch.Generator().manual_seed(5)
     costs = pairwise_sqdist(torch.randn(300, 8, generator=g, dtype=torch.float64))
     counts = torch.randint(1, 100, (300,), generator=g)
-    full = water_filling(costs, counts, lam, candidates=10**6)
-    assert torch.equal(water_filling(costs, counts, lam, candidates=2), full)
-    assert torch.equal(water_filling(costs, counts, lam), full)
+    full = water_filling_ref(costs, counts, lam, candidates=10**6)
+    assert torch.equal(water_filling_ref(costs, counts, lam, candidates=2), full)
+    assert torch.equal(water_filling_ref(costs, counts, lam), full)
     assert torch.equal(water_filling(costs.float(), counts, lam), water_filling(costs.float().double(), counts, lam))
+
+
+def _water_cases():
+    g = torch.Generator().manual_seed(11)
+    cases = []
+    for m, k in [(1, 1), (3, 1), (5, 2), (17, 33), (64, 257), (301, 301)]:
+        costs = torch.rand(m, k, generator=g, dtype=torch.float64) * 4
+        if k > 3:
+            costs[0, 1] = costs[0, 2] = costs[0, 3]  # ties
+            costs[m - 1] = 0.5  # a row of equal costs
+        counts = torch.randint(1, 300, (k,), generator=g)
+        cases.append((costs, counts))
+    G = torch.randn(257, 9, generator=g, dtype=torch.float64)
+    cases.append((pairwise_sqdist(G), torch.randint(1, 100, (257,), generator=g)))
+    return cases
+
+
+@pytest.mark.usefixtures("cpu_level")  # once per CPU capability level this CPU runs
+@pytest.mark.parametrize("lam", [1e-4, 0.3, 30.0, 1e6])
+def test_water_filling_native_equals_the_reference(lam):
+    """The native level (Michelot's active-set iteration) equals the reference's sorted prefix to
+    rounding, with the same zeros, on odd shapes, ties, one column and equal costs."""
+    from pflcore import backend
+    assert backend.select("water_fill", None, torch.zeros(1, dtype=torch.float64)) is backend.ADAPTERS["native"]
+    for costs, counts in _water_cases():
+        want = water_filling_ref(costs, counts, lam)
+        got = water_filling(costs, counts, lam)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+        assert torch.equal(got > 1e-12, want > 1e-12)
+        # the rows sum to 1 up to the rounding of τ − c: τ ≈ c + 1/Σw when many weights share the
+        # mass, so the error is ~ u·c·Σw (large weights n/(2λ), equal costs)
+        tol = 1e-14 * (1.0 + costs.abs().amax(1) * counts.double().sum() / (2 * lam))
+        assert bool(((got.sum(1) - 1.0).abs() <= tol).all())
+
+
+def test_water_fill_kernel_refuses_bad_values_by_row():
+    """The native kernel's own checks (water_filling checks first; a direct call must not compute
+    silently): a non-finite cost names its row, a bad weight its column."""
+    from pflcore import backend
+    native = backend.ADAPTERS["native"]
+    costs = torch.rand(4, 6, dtype=torch.float64)
+    costs[2, 3] = float("nan")
+    with pytest.raises(Exception, match=r"costs: row 2"):
+        native.water_fill(costs, torch.ones(6, dtype=torch.float64))
+    w = torch.ones(6, dtype=torch.float64)
+    w[4] = 0.0
+    with pytest.raises(ValueError, match=r"weights\[4\] = 0"):
+        native.water_fill(torch.rand(4, 6, dtype=torch.float64), w)
 
 
 def test_water_filling_limits_and_errors():
@@ -253,3 +302,36 @@ def test_mixing_weights_of_many_clients_take_the_screen(monkeypatch):
     got = perm.weights_from_gradients(G, n, 20.0)
     assert calls == [1]
     torch.testing.assert_close(got, water_filling(pairwise_sqdist(G), n, 20.0), rtol=1e-9, atol=1e-12)
+
+
+def test_row_patterns_equal_unique_rows():
+    """The packed-key grouping of screened_weights gives torch.unique(dim=0)'s patterns and
+    inverse, for widths up to the packing limit and past it (the fallback)."""
+    from pflcore.algorithms.perm import _row_patterns
+    g = torch.Generator().manual_seed(4)
+    for k in (1, 5, 62, 63, 80):
+        need = torch.rand(300, k, generator=g) < 0.5
+        need[100:200] = need[0]  # repeated rows
+        pats, inv = _row_patterns(need)
+        want_pats, want_inv = torch.unique(need, dim=0, return_inverse=True)
+        assert torch.equal(pats, want_pats) and torch.equal(inv, want_inv)
+
+
+@pytest.mark.parametrize("n", [255, 256, 301, 517])
+def test_symmetric_gram_blocks_equal_the_product(n):
+    """_gram's block-symmetric product (rows = cols; from 256 rows on, fewer take one product)
+    equals the plain product to rounding, its blocks below the diagonal the transposes of those
+    above; other row/column sets give the plain product."""
+    from pflcore.algorithms.perm import _gram
+    g = torch.Generator().manual_seed(n)
+    Gc = torch.randn(600, 37, generator=g, dtype=torch.float64)
+    rows = torch.randperm(600, generator=g)[:n].sort().values
+    got = _gram(Gc, rows, rows)
+    torch.testing.assert_close(got, Gc[rows] @ Gc[rows].T, rtol=1e-13, atol=1e-12)
+    if n >= 256:
+        a, b = slice(0, n // 4), slice(n // 4, n // 2)
+        assert torch.equal(got[b, a], got[a, b].T)
+    every = _gram(Gc[:n], torch.arange(n), None)
+    torch.testing.assert_close(every, Gc[:n] @ Gc[:n].T, rtol=1e-13, atol=1e-12)
+    other = _gram(Gc, rows, rows.flip(0))
+    torch.testing.assert_close(other, Gc[rows] @ Gc[rows.flip(0)].T, rtol=1e-13, atol=1e-12)

@@ -231,6 +231,10 @@ void dp_normals(uint64_t seed, uint64_t counter, int64_t n, double* out) { activ
 
 void anderson_solve(const double* G, int64_t k, double reg, double* pi) { active().anderson_solve(G, k, reg, pi); }
 
+void water_fill(const double* costs, int64_t r, int64_t k, const double* w, double* alpha, Faults& faults) {
+  active().water_fill(costs, r, k, w, alpha, faults);
+}
+
 void sample_batches(const int64_t* offsets, int64_t m, int64_t N, const int64_t* clients, int64_t first_id,
                     int64_t R, int64_t steps, int64_t B, uint32_t seed, uint32_t counter, int32_t* out,
                     Faults& faults) {

@@ -66,6 +66,7 @@ struct KernelTable {
   Typed<ClipAndSumFn> clip_and_sum;
   void (*dp_normals)(uint64_t, uint64_t, int64_t, double*);
   void (*anderson_solve)(const double*, int64_t, double, double*);
+  void (*water_fill)(const double*, int64_t, int64_t, const double*, double*, Faults&);
   void (*sample_batches)(const int64_t*, int64_t, int64_t, const int64_t*, int64_t, int64_t, int64_t, int64_t,
                          uint32_t, uint32_t, int32_t*, Faults&);
   bool (*mlp_local_steps_supported)(int64_t, int64_t);

@@ -21,6 +21,7 @@ const KernelTable& level_table() {
     t.clip_and_sum = {clip_and_sum<float>, clip_and_sum<double>};
     t.dp_normals = dp_normals;
     t.anderson_solve = anderson_solve;
+    t.water_fill = water_fill;
     t.sample_batches = sample_batches;
     t.mlp_local_steps_supported = mlp_local_steps_supported;
     t.mlp_local_steps = mlp_local_steps;

@@ -158,6 +158,12 @@ class NativeAdapter(Adapter):
         self._core.anderson_solve(G.data_ptr(), G.shape[0], float(reg), pi.data_ptr())
         return pi
 
+    def water_fill(self, costs, w):
+        costs, w = costs.to(_F64).contiguous(), w.to(_F64).contiguous()
+        alpha = torch.empty_like(costs)
+        self._core.water_fill(costs.data_ptr(), costs.shape[0], costs.shape[1], w.data_ptr(), alpha.data_ptr())
+        return alpha
+
     def clip_and_sum(self, updates, weights, clip_norm: float, noise_std: float, seed: int, counter: int):
         R, d = updates.shape
         out = torch.empty(d, dtype=_F64)

@@ -188,6 +188,46 @@ def murmur3_words(*words: torch.Tensor) -> torch.Tensor:
     return _fmix32(h ^ (4 * len(words)))
 
 
+# ---- PERM's water-filling -------------------------------------------------------------------------
+
+def _level(c_sorted: torch.Tensor, w_sorted: torch.Tensor) -> torch.Tensor:
+    """``[r]`` water level τ of rows whose costs are sorted ascending (weights alongside)."""
+    level = (1.0 + torch.cumsum(c_sorted * w_sorted, dim=1)) / torch.cumsum(w_sorted, dim=1)
+    # The prefix condition level_a > c_(a) holds for a = 1 (level_1 = c_(1) + 1/w_(1)) and, the
+    # costs being sorted, exactly on a prefix: its length is the number of entries where it holds.
+    active = (level > c_sorted).sum(dim=1, keepdim=True)
+    return level.gather(1, active - 1)[:, 0]
+
+
+def water_fill(costs: torch.Tensor, w: torch.Tensor, candidates: int = 256) -> torch.Tensor:
+    """``alpha [r, k]`` float64: α_ij = w_j·max(0, τ_i − c_ij) with the level τ_i at which the row
+    sums to 1 (the rule of csrc/cpu/water_fill.cpp; costs finite, w > 0, both float64).
+
+    Sorting a row's costs ascending, the active set is a prefix of length a, and
+    τ = (1 + Σ_{j≤a} c_j w_j) / Σ_{j≤a} w_j; a is the longest prefix whose level exceeds its last
+    cost. The level is first found among each row's ``candidates`` smallest costs (``torch.topk``,
+    cheaper than sorting the row); it is exact for the row when τ ≤ the next smallest cost, since
+    every other entry is then inactive. Rows that fail the check retry with 8× as many
+    candidates, up to a full sort."""
+    k = costs.shape[1]
+    tau = torch.empty(costs.shape[0], dtype=torch.float64, device=costs.device)
+    todo = torch.arange(costs.shape[0], device=costs.device)
+    L = max(1, min(int(candidates), k))
+    while todo.numel():
+        rows = costs if todo.numel() == costs.shape[0] else costs[todo]  # no copy on the first pass
+        if L >= k:
+            vals, idx = torch.sort(rows, dim=1, stable=True)
+            bound = torch.full((todo.numel(),), float("inf"), dtype=torch.float64, device=costs.device)
+        else:
+            vals, idx = torch.topk(rows, L + 1, dim=1, largest=False, sorted=True)
+            bound, vals, idx = vals[:, L], vals[:, :L], idx[:, :L]
+        level = _level(vals, w[idx])
+        exact = level <= bound
+        tau[todo[exact]] = level[exact]
+        todo, L = todo[~exact], min(8 * L, k)
+    return torch.sub(tau[:, None], costs).clamp_(min=0.0).mul_(w[None, :])  # one fresh [r, k]
+
+
 # ---- Anderson's small solve ----------------------------------------------------------------------
 
 def anderson_solve(G: torch.Tensor, reg: float) -> torch.Tensor:
@@ -369,6 +409,9 @@ class ReferenceAdapter(Adapter):
 
     def anderson_solve(self, G, reg: float):
         return anderson_solve(G, reg)
+
+    def water_fill(self, costs, w, candidates: int = 256):
+        return water_fill(costs, w, candidates)
 
     def clip_and_sum(self, updates, weights, clip_norm: float, noise_std: float, seed: int, counter: int):
         _values.clip_and_sum_fault(updates, weights)

@@ -109,6 +109,11 @@ void gram(const T* vecs /*[k, D]*/, int64_t k, int64_t D, double* G /*[k, k]*/);
 // pi = argmin πᵀ(G + λI)π s.t. Σπ = 1, λ = reg·trace(G): pi = (G+λI)⁻¹1 / 1ᵀ(G+λI)⁻¹1.
 void anderson_solve(const double* G /*[k, k]*/, int64_t k, double reg, double* pi /*[k]*/);
 
+// PERM's water-filling (csrc/cpu/water_fill.cpp): alpha[i, j] = w[j]·max(0, τ_i − costs[i, j]), the
+// level τ_i such that the row sums to 1. Checks w (finite, > 0) and each row of costs (finite).
+void water_fill(const double* costs /*[r, k]*/, int64_t r, int64_t k, const double* w /*[k]*/,
+                double* alpha /*[r, k]*/, Faults& faults);
+
 // Checks each client index and its offsets (as the GLM kernels do) before drawing its rows.
 void sample_batches(const int64_t* offsets /*[m + 1]*/, int64_t m, int64_t N, const int64_t* clients /*[R] or null*/,
                     int64_t first_id /*global id of client 0*/, int64_t R, int64_t steps, int64_t B,
