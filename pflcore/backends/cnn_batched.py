@@ -1,37 +1,40 @@
 """The forward and backward pass of c ``CNN`` models (one chunk of model rows) on their clients'
-rows at once, written out with batched GEMMs (no autograd, no ``vmap``): what the nets adapter
-(``pflcore/backends/nets.py``) runs for every ``CNN`` in ``local_steps``, ``gradients`` and
-``evaluate``.
+rows at once (no autograd, no ``vmap``): what the nets adapter (``pflcore/backends/nets.py``) runs
+for every ``CNN`` in ``local_steps``, ``gradients`` and ``evaluate``.
 
-Why by hand: ``vmap`` over the models turns each convolution into a grouped convolution whose
-backward (and NCHW max-pooling) ran no faster than a loop over clients' ``nn.Module`` s. Here:
-
-* Activations are channel-major and row-minor, ``[c, C, H, W, n]`` (c models, n rows each).
-  Seen as ``[c·C, n, H, W]`` that is channels-last memory with the rows as channels, where
-  torch's max-pooling is vectorized (~20x its NCHW kernel on 24x24 maps).
-* A conv layer is im2col + one batched GEMM per chunk: ``cols [c, Cin·k·k, Ho·Wo·n]`` (the
-  module's tap order) is filled with one copy per tap (ki, kj), each a set of contiguous runs
-  of Wo·n values; ``W [c, Cout, Cin·k·k] @ cols`` gives ``[c, Cout, Ho·Wo·n]``, already the
-  next layer's layout (a GEMM with a long N dimension: the shape BLAS does well). Backward:
-  ``dW = dz @ colsᵀ``, ``dcols = Wᵀ @ dz`` and col2im (k² shifted adds, contiguous runs too).
+* The c models are the c groups of one grouped convolution per layer: activations are
+  ``[n, c·C, H, W]`` in channels-last memory ``[n, H, W, c, C]`` (n rows per model), weights
+  ``[c·Cout, Cin, k, k]`` (views of the ``theta`` rows), ``groups = c``. In that layout oneDNN
+  runs the forward, the weight/bias gradient and the input gradient (``aten.convolution`` /
+  ``convolution_backward``), and max-pooling is vectorized over the c·C channels. Measured at
+  1 thread against the im2col + ``bmm`` path of ``cnn_im2col.py`` (per-client GEMMs of
+  M = Cout rows, and k² strided copies for im2col and col2im; what other devices run): 1.3–1.5x faster on the MNIST and CIFAR nets of
+  ``bench/algorithms.py`` part ``cnn``. (``vmap`` makes the same grouped convolutions but in
+  NCHW, where oneDNN is several times slower.)
+* A 3-channel (RGB) first layer gets a zero 4th input channel (see ``_PAD_CIN``); its weight
+  gradient is sliced back.
 * Max-pooling is applied before the ReLU (they commute: relu(max z) = max(relu z)), so the ReLU
   and its backward touch the pooled map only. Gradients agree with the module's: where the
   pooled value is > 0 both send it to the first maximal input of the window, elsewhere both
   give 0.
-* The flattened features are a free view ``[c, C·H·W, n]`` (the module's flatten order), and
-  the fully connected layers run feature-major like the hand-written MLP of ``nets.py``.
+* The flattened features are copied to ``[c, C·H·W, n]`` (the module's flatten order, rows last)
+  and the fully connected layers run feature-major with ``bmm`` like the hand-written MLP of
+  ``nets.py``.
 * The first conv layer needs no input gradient (the rows are data).
+* Determinism: each chunk runs on one thread (``nets._for_chunks``), so oneDNN's reductions do
+  not depend on the thread count. float64 (which oneDNN lacks) falls back to aten's own
+  convolution: slower, same function.
 
 Layer parameters are views into ``theta [c, d]`` rows (``model.split``); nothing is cached
 between calls.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import torch
-import torch.nn.functional as F
 
+from pflcore.backends import cnn_im2col
 from pflcore.models.nets import CNN
 
 _aten = torch.ops.aten
@@ -39,6 +42,8 @@ _aten = torch.ops.aten
 # First-layer input channels padded with zero channels: oneDNN's grouped weight gradient with 3
 # channels per group (RGB) ran ~2.5x slower than with 4 (1 thread, AVX2; 1, 2 and 4 are fine).
 _PAD_CIN = {3: 4}
+# Devices whose chunks take the grouped convolutions below; others take cnn_im2col's GEMMs.
+GROUPED_DEVICES = {"cpu"}
 
 
 class CNNChunk:
@@ -77,7 +82,8 @@ class CNNChunk:
         pool = model.pool
         # [n, c·Cin, H, W] in channels-last memory [n, H, W, c, Cin] (Cin padded with zero channels)
         cpad = self.conv[0][0].shape[1]
-        a = x.new_zeros(n, H, W, c, cpad) if cpad > cin else x.new_empty(n, H, W, c, cin)
+        a = x.new_empty(n, H, W, c, cpad)
+        a[..., cin:].zero_()
         a[..., :cin].copy_(x.reshape(c, n, cin, H, W).permute(1, 3, 4, 0, 2))
         a = a.view(n, H, W, c * cpad).permute(0, 3, 1, 2)
         saved = []
@@ -144,21 +150,27 @@ class CNNChunk:
         self._saved = []
 
 
+def _chunk(model: CNN, theta: torch.Tensor):
+    """The chunk of the models ``theta [c, d]``: grouped convolutions on ``GROUPED_DEVICES``."""
+    cls = CNNChunk if theta.device.type in GROUPED_DEVICES else cnn_im2col.CNNChunk
+    return cls(model, model.split(theta))
+
+
 def gradient_into(model: CNN, theta: torch.Tensor, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor,
                   out: torch.Tensor) -> None:
     """``out [c, d]`` ← the gradient of Σ_j w_j·ce_j of the models ``theta [c, d]`` on their rows
     ``x [c, n, p]`` (labels ``y``, weights ``w [c, n]``); no l2."""
-    CNNChunk(model, model.split(theta)).gradient(x, y, w, model.split(out))
+    _chunk(model, theta).gradient(x, y, w, model.split(out))
 
 
 def logits(model: CNN, theta: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``[c, n, C]`` logits of the models ``theta [c, d]`` on ``x [c, n, p]``."""
-    return CNNChunk(model, model.split(theta)).logits(x)
+    return _chunk(model, theta).logits(x)
 
 
 def logits_t(model: CNN, theta: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``[c, C, n]`` logits (classes first) of the models ``theta [c, d]`` on ``x [c, n, p]``."""
-    return CNNChunk(model, model.split(theta)).logits_t(x)
+    return _chunk(model, theta).logits_t(x)
 
 
 def step_in_place(th: torch.Tensor, g: torch.Tensor, a: Optional[torch.Tensor], lr: float, prox: float,
