@@ -1,5 +1,5 @@
-"""The batched CNN of ``pflcore/backends/cnn_batched.py`` (im2col + batched GEMMs over clients)
-against the references (a per-row ``torch.nn`` module with autograd) and the torch.func path,
+"""The batched CNN of ``pflcore/backends/cnn_batched.py`` (grouped convolutions over clients on
+the CPU; the im2col + batched GEMMs of ``cnn_im2col.py`` elsewhere, run here on the CPU too) against the references (a per-row ``torch.nn`` module with autograd) and the torch.func path,
 over the configurations ``CNN`` allows: one or three input channels, odd image sizes, padding,
 pooling windows that leave a remainder, no hidden layer, m = 1 and minibatches of one row.
 Tolerances: conftest.TOL (the same sums in another order)."""
@@ -22,7 +22,18 @@ CONFIGS = {
                                   padding=1, hidden=()),
     "three_conv_two_hidden": dict(p=64, C=3, channels=(3, 2, 2), kernel_size=2, padding=1, hidden=(6, 4),
                                   l2=0.05),
+    # RGB: the zero 4th input channel of the grouped path; odd sizes, padding and a pool of 3
+    "rgb_pool3_odd": dict(p=3 * 9 * 7, C=5, image_shape=(3, 9, 7), channels=(5, 3), kernel_size=3, pool=3,
+                          padding=2, hidden=(7,)),
 }
+
+
+@pytest.fixture(params=["grouped", "im2col"], autouse=True)
+def path(request, monkeypatch):
+    """Every test on both chunk implementations (``im2col``: what non-CPU devices run)."""
+    if request.param == "im2col":
+        monkeypatch.setattr(cnn_batched, "GROUPED_DEVICES", set())
+    return request.param
 
 
 def _theta(net, m, dtype, seed):
@@ -53,7 +64,7 @@ def test_gradients_and_evaluate_equal_the_reference(name, dtype):
 
 
 @pytest.mark.parametrize("name, batch", [("odd_image_pool3", 1), ("rgb_padding_no_hidden", None),
-                                         ("three_conv_two_hidden", 3)])
+                                         ("three_conv_two_hidden", 3), ("rgb_pool3_odd", 5)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_local_steps_equal_the_reference(name, dtype, batch):
     """prox toward per-row anchors, grad_scale (0 included), rows that repeat clients; full
@@ -109,8 +120,9 @@ def test_batched_math_equals_the_torch_func_path(dtype, monkeypatch):
                                **TOL[dtype])
 
 
-def test_results_do_not_depend_on_the_thread_count():
-    net = models.CNN(p=100, C=3, channels=(3,), kernel_size=3, hidden=(5,))
+@pytest.mark.parametrize("cin", [1, 3])
+def test_results_do_not_depend_on_the_thread_count(cin):
+    net = models.CNN(p=cin * 100, C=3, image_shape=(cin, 10, 10), channels=(3, 4), kernel_size=3, hidden=(5,))
     d_ = _data(net, [4] * 40, torch.float32, seed=11)
     theta = _theta(net, 40, torch.float32, seed=12)
     b = ops.sample_batches(d_, steps=2, batch_size=3, seed=13, counter=0)

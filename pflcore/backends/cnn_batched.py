@@ -1,74 +1,49 @@
 """The forward and backward pass of c ``CNN`` models (one chunk of model rows) on their clients'
-rows at once, written out with batched GEMMs (no autograd, no ``vmap``): what the nets adapter
-(``pflcore/backends/nets.py``) runs for every ``CNN`` in ``local_steps``, ``gradients`` and
-``evaluate``.
+rows at once (no autograd, no ``vmap``): what the nets adapter (``pflcore/backends/nets.py``) runs
+for every ``CNN`` in ``local_steps``, ``gradients`` and ``evaluate``.
 
-Why by hand: ``vmap`` over the models turns each convolution into a grouped convolution whose
-backward (and NCHW max-pooling) ran no faster than a loop over clients' ``nn.Module`` s. Here:
-
-* Activations are channel-major and row-minor, ``[c, C, H, W, n]`` (c models, n rows each).
-  Seen as ``[c·C, n, H, W]`` that is channels-last memory with the rows as channels, where
-  torch's max-pooling is vectorized (~20x its NCHW kernel on 24x24 maps).
-* A conv layer is im2col + one batched GEMM per chunk: ``cols [c, Cin·k·k, Ho·Wo·n]`` (the
-  module's tap order) is filled with one copy per tap (ki, kj), each a set of contiguous runs
-  of Wo·n values; ``W [c, Cout, Cin·k·k] @ cols`` gives ``[c, Cout, Ho·Wo·n]``, already the
-  next layer's layout (a GEMM with a long N dimension: the shape BLAS does well). Backward:
-  ``dW = dz @ colsᵀ``, ``dcols = Wᵀ @ dz`` and col2im (k² shifted adds, contiguous runs too).
+* The c models are the c groups of one grouped convolution per layer: activations are
+  ``[n, c·C, H, W]`` in channels-last memory ``[n, H, W, c, C]`` (n rows per model), weights
+  ``[c·Cout, Cin, k, k]`` (views of the ``theta`` rows), ``groups = c``. In that layout oneDNN
+  runs the forward, the weight/bias gradient and the input gradient (``aten.convolution`` /
+  ``convolution_backward``), and max-pooling is vectorized over the c·C channels. Measured at
+  1 thread against the im2col + ``bmm`` path of ``cnn_im2col.py`` (per-client GEMMs of
+  M = Cout rows, and k² strided copies for im2col and col2im; what other devices run): 1.3–1.5x faster on the MNIST and CIFAR nets of
+  ``bench/algorithms.py`` part ``cnn``. (``vmap`` makes the same grouped convolutions but in
+  NCHW, where oneDNN is several times slower.)
+* A 3-channel (RGB) first layer gets a zero 4th input channel (see ``_PAD_CIN``); its weight
+  gradient is sliced back.
 * Max-pooling is applied before the ReLU (they commute: relu(max z) = max(relu z)), so the ReLU
   and its backward touch the pooled map only. Gradients agree with the module's: where the
   pooled value is > 0 both send it to the first maximal input of the window, elsewhere both
   give 0.
-* The flattened features are a free view ``[c, C·H·W, n]`` (the module's flatten order), and
-  the fully connected layers run feature-major like the hand-written MLP of ``nets.py``.
+* The flattened features are copied to ``[c, C·H·W, n]`` (the module's flatten order, rows last)
+  and the fully connected layers run feature-major with ``bmm`` like the hand-written MLP of
+  ``nets.py``.
 * The first conv layer needs no input gradient (the rows are data).
+* Determinism: each chunk runs on one thread (``nets._for_chunks``), so oneDNN's reductions do
+  not depend on the thread count. float64 (which oneDNN lacks) falls back to aten's own
+  convolution: slower, same function.
 
 Layer parameters are views into ``theta [c, d]`` rows (``model.split``); nothing is cached
 between calls.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import torch
-import torch.nn.functional as F
 
+from pflcore.backends import cnn_im2col
 from pflcore.models.nets import CNN
 
 _aten = torch.ops.aten
 
-
-def _im2col(a: torch.Tensor, k: int, pad: int) -> Tuple[torch.Tensor, int, int]:
-    """``a [c, Cin, H, W, n]`` → ``cols [c, Cin·k·k, Ho·Wo·n]`` (taps in the module's order
-    Cin, ki, kj), Ho = H + 2·pad − k + 1 (likewise Wo)."""
-    if pad:
-        a = F.pad(a, (0, 0, pad, pad, pad, pad))
-    c, cin, H, W, n = a.shape
-    ho, wo = H - k + 1, W - k + 1
-    cols = a.new_empty(c, cin, k, k, ho, wo, n)
-    for i in range(k):
-        for j in range(k):
-            cols[:, :, i, j].copy_(a[:, :, i:i + ho, j:j + wo])
-    return cols.view(c, cin * k * k, ho * wo * n), ho, wo
-
-
-def _col2im(dcols: torch.Tensor, shape: Tuple[int, ...], k: int, pad: int) -> torch.Tensor:
-    """The adjoint of ``_im2col``: ``dcols [c, Cin·k·k, Ho·Wo·n]`` → ``[c, Cin, H, W, n]``
-    (``shape``), every window's taps added back onto the pixels they read."""
-    c, cin, H, W, n = shape
-    hp, wp = H + 2 * pad, W + 2 * pad
-    ho, wo = hp - k + 1, wp - k + 1
-    d = dcols.view(c, cin, k, k, ho, wo, n)
-    out = dcols.new_zeros(c, cin, hp, wp, n)
-    for i in range(k):
-        for j in range(k):
-            out[:, :, i:i + ho, j:j + wo].add_(d[:, :, i, j])
-    return out[:, :, pad:pad + H, pad:pad + W] if pad else out
-
-
-def _planes(t: torch.Tensor) -> torch.Tensor:
-    """``[c, C, H, W, n]`` as ``[c·C, n, H, W]`` (a view: channels-last memory)."""
-    c, C, H, W, n = t.shape
-    return t.reshape(c * C, H, W, n).permute(0, 3, 1, 2)
+# First-layer input channels padded with zero channels: oneDNN's grouped weight gradient with 3
+# channels per group (RGB) ran ~2.5x slower than with 4 (1 thread, AVX2; 1, 2 and 4 are fine).
+_PAD_CIN = {3: 4}
+# Devices whose chunks take the grouped convolutions below; others take cnn_im2col's GEMMs.
+GROUPED_DEVICES = {"cpu"}
 
 
 class CNNChunk:
@@ -80,13 +55,21 @@ class CNNChunk:
         names = [n for n, _ in model.param_shapes]
         self.names = names
         nconv = len(model.channels)
-        self.conv = []  # (W [c, Cout, Cin·k·k], b [c, Cout])
+        self.conv = []  # (W [c·Cout, Cin, k, k], b [c·Cout]): group g of the grouped conv is model g
         for j in range(nconv):
             W, b = params[names[2 * j]], params[names[2 * j + 1]]
-            self.conv.append((W.reshape(W.shape[0], W.shape[1], -1), b))
+            W = W.reshape(-1, *W.shape[2:])
+            if j == 0 and W.shape[1] in _PAD_CIN:  # a zero input channel (see _PAD_CIN)
+                W = torch.cat([W, W.new_zeros(W.shape[0], _PAD_CIN[W.shape[1]] - W.shape[1], *W.shape[2:])], 1)
+            self.conv.append((W, b.reshape(-1)))
+        self.c = params[names[0]].shape[0]
         self.fc = [(params[names[2 * (nconv + j)]], params[names[2 * (nconv + j) + 1]])
                    for j in range(len(model.hidden) + 1)]
         self._saved: List[tuple] = []
+
+    def _conv_args(self):
+        pad = self.model.padding
+        return [1, 1], [pad, pad], [1, 1], False, [0, 0], self.c
 
     # ---- forward ---------------------------------------------------------------------------
 
@@ -96,21 +79,24 @@ class CNNChunk:
         model = self.model
         c, n = x.shape[:2]
         cin, H, W = model.image_shape
-        k, pool, pad = model.kernel_size, model.pool, model.padding
-        a = x.reshape(c, n, cin, H, W).permute(0, 2, 3, 4, 1).contiguous()  # [c, Cin, H, W, n]
+        pool = model.pool
+        # [n, c·Cin, H, W] in channels-last memory [n, H, W, c, Cin] (Cin padded with zero channels)
+        cpad = self.conv[0][0].shape[1]
+        a = x.new_empty(n, H, W, c, cpad)
+        a[..., cin:].zero_()
+        a[..., :cin].copy_(x.reshape(c, n, cin, H, W).permute(1, 3, 4, 0, 2))
+        a = a.view(n, H, W, c * cpad).permute(0, 3, 1, 2)
         saved = []
         for Wk, b in self.conv:
-            cout = Wk.shape[1]
-            cols, ho, wo = _im2col(a, k, pad)
-            z = torch.baddbmm(b.unsqueeze(2), Wk, cols).view(c, cout, ho, wo, n)
-            zp = _planes(z)
-            pooled, idx = _aten.max_pool2d_with_indices(zp, [pool, pool], [pool, pool])  # [c·Cout, n, H2, W2]
-            h2, w2 = pooled.shape[2:]
-            h = pooled.permute(0, 2, 3, 1).reshape(c, cout, h2, w2, n).relu_()  # a view when channels-last
+            z = _aten.convolution(a, Wk, b, *self._conv_args())  # [n, c·Cout, Ho, Wo]
+            pooled, idx = _aten.max_pool2d_with_indices(z, [pool, pool], [pool, pool])
+            h = pooled.relu_()
             if keep:
-                saved.append((a.shape, cols, zp, idx, h))
+                saved.append((a, z, idx, h))
             a = h
-        h = a.reshape(c, -1, n)  # [c, C·H·W, n]: the module's flatten order, rows last
+        cout, h2, w2 = a.shape[1] // c, a.shape[2], a.shape[3]
+        # [c, C·H·W, n]: the module's flatten order, rows last (a small copy)
+        h = a.reshape(n, c, cout, h2, w2).permute(1, 2, 3, 4, 0).reshape(c, cout * h2 * w2, n)
         last = len(self.fc) - 1
         for j, (Wl, b) in enumerate(self.fc):
             z = torch.baddbmm(b.unsqueeze(2), Wl, h)  # [c, out, n]
@@ -146,38 +132,45 @@ class CNNChunk:
             dh = torch.bmm(Wl.transpose(1, 2), dz)  # [c, in, n]
             # the ReLU of the layer before (its saved output is this layer's input h)
             dz = _aten.threshold_backward(dh, h, 0) if j > 0 else dh
-        k, pool, pad = model.kernel_size, model.pool, model.padding
-        da = dz.view(self._saved[nconv - 1][4].shape)  # [c, C, H2, W2, n]
+        pool = model.pool
+        _, cc, h2, w2 = self._saved[nconv - 1][3].shape
+        # [c, C·H·W, n] back to [n, c·C, H, W] in channels-last memory
+        da = dz.view(c, cc // c, h2, w2, n).permute(4, 2, 3, 0, 1).contiguous().view(n, h2, w2, cc).permute(0, 3, 1, 2)
         for j in range(nconv - 1, -1, -1):
-            in_shape, cols, zp, idx, h = self._saved[j]
+            a, z, idx, h = self._saved[j]
             Wk = self.conv[j][0]
-            cout = Wk.shape[1]
-            dpool = _planes(_aten.threshold_backward(da, h, 0))  # the ReLU after the pool
-            dzp = _aten.max_pool2d_with_indices_backward(dpool, zp, [pool, pool], [pool, pool], [0, 0], [1, 1],
-                                                         False, idx)  # [c·Cout, n, Ho, Wo]
-            dzm = dzp.permute(0, 2, 3, 1).reshape(c, cout, -1)  # [c, Cout, Ho·Wo·n]
-            out[names[2 * j]].copy_(torch.bmm(dzm, cols.transpose(1, 2)).view(out[names[2 * j]].shape))
-            out[names[2 * j + 1]].copy_(dzm.sum(2))
-            if j > 0:
-                da = _col2im(torch.bmm(Wk.transpose(1, 2), dzm), in_shape, k, pad)  # [c, Cin, H, W, n]
+            dpool = _aten.threshold_backward(da, h, 0)  # the ReLU after the pool
+            dz = _aten.max_pool2d_with_indices_backward(dpool, z, [pool, pool], [pool, pool], [0, 0], [1, 1],
+                                                         False, idx)  # [n, c·Cout, Ho, Wo]
+            da, gW, gb = _aten.convolution_backward(dz, a, Wk, [Wk.shape[0]], *self._conv_args(),
+                                                    [j > 0, True, True])
+            o = out[names[2 * j]]
+            o.copy_(gW[:, :o.shape[2]].reshape(o.shape))
+            out[names[2 * j + 1]].copy_(gb.view(c, -1))
         self._saved = []
+
+
+def _chunk(model: CNN, theta: torch.Tensor):
+    """The chunk of the models ``theta [c, d]``: grouped convolutions on ``GROUPED_DEVICES``."""
+    cls = CNNChunk if theta.device.type in GROUPED_DEVICES else cnn_im2col.CNNChunk
+    return cls(model, model.split(theta))
 
 
 def gradient_into(model: CNN, theta: torch.Tensor, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor,
                   out: torch.Tensor) -> None:
     """``out [c, d]`` ← the gradient of Σ_j w_j·ce_j of the models ``theta [c, d]`` on their rows
     ``x [c, n, p]`` (labels ``y``, weights ``w [c, n]``); no l2."""
-    CNNChunk(model, model.split(theta)).gradient(x, y, w, model.split(out))
+    _chunk(model, theta).gradient(x, y, w, model.split(out))
 
 
 def logits(model: CNN, theta: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``[c, n, C]`` logits of the models ``theta [c, d]`` on ``x [c, n, p]``."""
-    return CNNChunk(model, model.split(theta)).logits(x)
+    return _chunk(model, theta).logits(x)
 
 
 def logits_t(model: CNN, theta: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``[c, C, n]`` logits (classes first) of the models ``theta [c, d]`` on ``x [c, n, p]``."""
-    return CNNChunk(model, model.split(theta)).logits_t(x)
+    return _chunk(model, theta).logits_t(x)
 
 
 def step_in_place(th: torch.Tensor, g: torch.Tensor, a: Optional[torch.Tensor], lr: float, prox: float,

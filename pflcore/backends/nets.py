@@ -44,7 +44,8 @@ most 16 classes) run in a native kernel instead, where the build has AVX-512
 register-wide layouts, 1.3x the batched GEMMs above on MLP(60, 100, 10) at B = 20. Every other
 net, dtype, device and call keeps the torch paths.
 
-CNNs take the batched im2col + GEMM path of ``cnn_batched.py`` by default (``HAND_WRITTEN_CNN``),
+CNNs take the batched path of ``cnn_batched.py`` by default (``HAND_WRITTEN_CNN``: grouped oneDNN
+convolutions on the CPU, im2col + GEMMs elsewhere),
 chunked and threaded like the rest; ``evaluate`` uses its forward pass.
 
 The references (``pflcore/backends/reference.py``) are a plain loop over model rows with
@@ -75,7 +76,7 @@ CHUNK_BYTES = {"cpu": 32 << 20, "cuda": 1 << 30}
 MIN_CHUNKS = 16
 # MLPs: hand-written batched forward/backward (False: the generic torch.func path).
 HAND_WRITTEN_MLP = True
-# CNNs: the batched im2col + GEMM forward/backward of cnn_batched.py (False: torch.func).
+# CNNs: the batched forward/backward of cnn_batched.py (False: torch.func).
 HAND_WRITTEN_CNN = True
 
 
