@@ -53,11 +53,11 @@ bool always() { return true; }
 
 #if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
 // __builtin_cpu_supports also checks that the OS saves the wider registers (XGETBV).
-bool has_avx2() {
+[[maybe_unused]] bool has_avx2() {  // unused when the avx2 level is not built (PFLCORE_X86_LEVELS)
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
-bool has_avx512() {
+[[maybe_unused]] bool has_avx512() {
   __builtin_cpu_init();
   return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
