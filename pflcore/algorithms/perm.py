@@ -184,7 +184,7 @@ def _screened_weights(G: torch.Tensor, sizes: torch.Tensor, lam_alpha: float, ro
     k = int(labels.max()) + 1
     count = torch.bincount(labels, minlength=k).to(torch.float64)
     mu = torch.zeros(k, d, dtype=torch.float64, device=Gc.device).index_add_(0, labels, Gc) / count[:, None]
-    own = ((Gc - mu[labels]) ** 2).sum(dim=1).sqrt()  # ‖g_j − μ_{a(j)}‖, direct sums
+    own = torch.linalg.vector_norm(Gc - mu[labels], dim=1)  # ‖g_j − μ_{a(j)}‖, direct sums
     radius = torch.zeros(k, dtype=torch.float64, device=Gc.device).scatter_reduce_(0, labels, own, "amax")
     # ‖g_i − μ_b‖ for the rows asked, by the Gram formula; its rounding (≤ ~1e-13 relative to the
     # norms) is covered by the slack below, which only ever keeps more clusters
