@@ -9,6 +9,11 @@ sequence of pairs (max |Δ| <= 1e-4 relative to the point's scale).
 ``average`` (the weighted mean of the rows, the server step of FedAvg-like methods): pflcore's
 backends vs ``weights @ theta / weights.sum()`` in torch and ``numpy.average``. Agreement:
 max |Δ| <= 1e-6. Bytes: the [m, d] rows read once.
+
+``water_fill`` (PERM's mixing weights from the clients' pairwise gradient distances, m = 2,000:
+the [m, m] float64 costs of 4 groups of clients, ~40 nonzero weights a row): pflcore's backends
+(the native active-set kernel, the reference's top-k and sort) through ``perm.water_filling``.
+Agreement: max |Δα| <= 1e-12 against ``water_filling_ref``. Bytes: the costs read once.
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import pytest
 import torch
 
 from pflcore import backend, ops
+from pflcore.algorithms.perm import pairwise_sqdist, water_filling, water_filling_ref
 
 from _suite import D, SIZES, cached, device_of, expected, group_name, impls, max_abs_diff, measure, models
 
@@ -109,3 +115,36 @@ def test_average(benchmark, size, impl):
     measure(benchmark, op="average", size=size, group=group_name("average", size, f"weighted mean of [m, {D}]"),
             impl=impl, run=run, check=check, bytes_moved=theta.numel() * 4, flops=2 * theta.numel(),
             baseline=impl == "native")
+
+
+@cached
+def water_costs():
+    """[2000, 2000] float64 squared distances of gradients in 4 groups, and the clients' sizes."""
+    g = torch.Generator().manual_seed(7)
+    m = 2000
+    centres = torch.randn(4, D, generator=g, dtype=torch.float64)
+    G = centres[torch.randint(0, 4, (m,), generator=g)] + 0.03 * torch.randn(m, D, generator=g, dtype=torch.float64)
+    return pairwise_sqdist(G), torch.randint(50, 250, (m,), generator=g)
+
+
+@pytest.mark.op("water_fill")
+@pytest.mark.parametrize("impl", impls())
+def test_water_fill(benchmark, impl):
+    costs, n = water_costs()
+    lam = 100.0
+    want = expected(("water_fill",), lambda: water_filling_ref(costs, n, lam))
+    dev = device_of(impl)
+    c, nd = costs.to(dev), n.to(dev)
+
+    def run():
+        with backend.use(impl):
+            return water_filling(c, nd, lam)
+
+    def check(out):
+        diff = max_abs_diff(out, want)
+        assert diff <= 1e-12, f"{impl}: the mixing weights differ from water_filling_ref by {diff:.3g}"
+
+    active = float((want > 0).sum(1).double().mean())
+    measure(benchmark, op="water_fill", size="", group=group_name("water_fill", "", f"PERM's α, costs [2000, 2000] "
+                                                                   f"float64, {active:.0f} nonzero a row"),
+            impl=impl, run=run, check=check, bytes_moved=costs.numel() * 8, baseline=impl == "native")

@@ -21,7 +21,7 @@ import sys
 from typing import Dict, List, Optional
 
 OPS = ("local_steps", "gradients", "evaluate", "sample_batches", "kmeans_assign", "kmeans", "anderson", "average",
-       "small_calls", "reference_points")
+       "water_fill", "small_calls", "reference_points")
 
 
 def add_parser(sub) -> None:
