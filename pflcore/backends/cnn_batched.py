@@ -30,7 +30,7 @@ between calls.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import torch
 
@@ -46,26 +46,21 @@ _PAD_CIN = {3: 4}
 GROUPED_DEVICES = {"cpu"}
 
 
-class CNNChunk:
+class CNNChunk(cnn_im2col.ChunkHead):
     """Forward/backward of the c models whose parameters are ``params`` (``model.split`` of
     ``theta [c, d]`` rows: ``{name: [c, *shape]}``)."""
 
     def __init__(self, model: CNN, params: Dict[str, torch.Tensor]):
-        self.model = model
-        names = [n for n, _ in model.param_shapes]
-        self.names = names
-        nconv = len(model.channels)
+        super().__init__(model, params)
+        names = self.names
         self.conv = []  # (W [c·Cout, Cin, k, k], b [c·Cout]): group g of the grouped conv is model g
-        for j in range(nconv):
+        for j in range(len(model.channels)):
             W, b = params[names[2 * j]], params[names[2 * j + 1]]
             W = W.reshape(-1, *W.shape[2:])
             if j == 0 and W.shape[1] in _PAD_CIN:  # a zero input channel (see _PAD_CIN)
                 W = torch.cat([W, W.new_zeros(W.shape[0], _PAD_CIN[W.shape[1]] - W.shape[1], *W.shape[2:])], 1)
             self.conv.append((W, b.reshape(-1)))
         self.c = params[names[0]].shape[0]
-        self.fc = [(params[names[2 * (nconv + j)]], params[names[2 * (nconv + j) + 1]])
-                   for j in range(len(model.hidden) + 1)]
-        self._saved: List[tuple] = []
 
     def _conv_args(self):
         pad = self.model.padding
@@ -97,42 +92,16 @@ class CNNChunk:
         cout, h2, w2 = a.shape[1] // c, a.shape[2], a.shape[3]
         # [c, C·H·W, n]: the module's flatten order, rows last (a small copy)
         h = a.reshape(n, c, cout, h2, w2).permute(1, 2, 3, 4, 0).reshape(c, cout * h2 * w2, n)
-        last = len(self.fc) - 1
-        for j, (Wl, b) in enumerate(self.fc):
-            z = torch.baddbmm(b.unsqueeze(2), Wl, h)  # [c, out, n]
-            if keep:
-                saved.append(h)
-            h = z.relu_() if j < last else z
-        if keep:
-            self._saved = saved
-        return h
-
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """Logits ``[c, n, C]``."""
-        return self.logits_t(x).transpose(1, 2)
+        return self._dense_forward(h, saved, keep)
 
     # ---- backward --------------------------------------------------------------------------
 
     def gradient(self, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, out: Dict[str, torch.Tensor]) -> None:
         """Writes the gradient of Σ_j w_j·ce_j (row weights ``w [c, n]``, labels ``y [c, n]``) of
         every model into ``out`` (``model.split`` of a ``[c, d]`` buffer)."""
-        model = self.model
-        z = self.logits_t(x, keep=True)
+        dz = self._dense_backward(x, y, w, out)
         c, n = y.shape
-        nconv = len(self.conv)
-        dz = torch.softmax(z, 1)  # d ce / d z = softmax(z) − onehot(y)
-        dz.scatter_add_(1, y.unsqueeze(1), torch.full((1, 1, 1), -1.0, dtype=dz.dtype, device=dz.device).expand(c, 1, n))
-        dz.mul_(w.unsqueeze(1))
-        names = self.names
-        for j in range(len(self.fc) - 1, -1, -1):
-            h = self._saved[nconv + j]
-            Wl = self.fc[j][0]
-            out[names[2 * (nconv + j)]].copy_(torch.bmm(dz, h.transpose(1, 2)))
-            out[names[2 * (nconv + j) + 1]].copy_(dz.sum(2))
-            dh = torch.bmm(Wl.transpose(1, 2), dz)  # [c, in, n]
-            # the ReLU of the layer before (its saved output is this layer's input h)
-            dz = _aten.threshold_backward(dh, h, 0) if j > 0 else dh
-        pool = model.pool
+        nconv, names, pool = len(self.conv), self.names, self.model.pool
         _, cc, h2, w2 = self._saved[nconv - 1][3].shape
         # [c, C·H·W, n] back to [n, c·C, H, W] in channels-last memory
         da = dz.view(c, cc // c, h2, w2, n).permute(4, 2, 3, 0, 1).contiguous().view(n, h2, w2, cc).permute(0, 3, 1, 2)

@@ -71,22 +71,70 @@ def _planes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(c * C, H, W, n).permute(0, 3, 1, 2)
 
 
-class CNNChunk:
+class ChunkHead:
+    """What both chunk layouts share (this one and ``cnn_batched.CNNChunk``): the parameters'
+    names, the fully connected layers, feature-major ``[c, features, n]`` with ``bmm`` like the
+    hand-written MLP of ``nets.py``, and the loss's gradient back through them. A subclass
+    builds ``self.conv`` and writes ``logits_t`` (its conv layers, then ``_dense_forward``) and
+    the conv part of ``gradient`` (after ``_dense_backward``)."""
+
+    def __init__(self, model: CNN, params: Dict[str, torch.Tensor]):
+        self.model = model
+        self.names = [n for n, _ in model.param_shapes]
+        nconv = len(model.channels)
+        self.fc = [(params[self.names[2 * (nconv + j)]], params[self.names[2 * (nconv + j) + 1]])
+                   for j in range(len(model.hidden) + 1)]
+        self._saved: List[tuple] = []
+
+    def _dense_forward(self, h: torch.Tensor, saved: List, keep: bool) -> torch.Tensor:
+        """Logits ``[c, C, n]`` from the flattened features ``h [c, C·H·W, n]``; ``keep``: the
+        conv layers' ``saved`` entries, then each dense layer's input, become ``self._saved``."""
+        last = len(self.fc) - 1
+        for j, (Wl, b) in enumerate(self.fc):
+            z = torch.baddbmm(b.unsqueeze(2), Wl, h)  # [c, out, n]
+            if keep:
+                saved.append(h)
+            h = z.relu_() if j < last else z
+        if keep:
+            self._saved = saved
+        return h
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits ``[c, n, C]``."""
+        return self.logits_t(x).transpose(1, 2)
+
+    def _dense_backward(self, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor,
+                        out: Dict[str, torch.Tensor]) -> torch.Tensor:
+        """The forward pass (saving), then the gradient of Σ_j w_j·ce_j through the dense layers
+        into ``out``; returns the gradient at the flattened features, ``[c, C·H·W, n]``."""
+        z = self.logits_t(x, keep=True)
+        c, n = y.shape
+        nconv = len(self.model.channels)
+        dz = torch.softmax(z, 1)  # d ce / d z = softmax(z) − onehot(y)
+        dz.scatter_add_(1, y.unsqueeze(1), torch.full((1, 1, 1), -1.0, dtype=dz.dtype, device=dz.device).expand(c, 1, n))
+        dz.mul_(w.unsqueeze(1))
+        names = self.names
+        for j in range(len(self.fc) - 1, -1, -1):
+            h = self._saved[nconv + j]
+            Wl = self.fc[j][0]
+            out[names[2 * (nconv + j)]].copy_(torch.bmm(dz, h.transpose(1, 2)))
+            out[names[2 * (nconv + j) + 1]].copy_(dz.sum(2))
+            dh = torch.bmm(Wl.transpose(1, 2), dz)  # [c, in, n]
+            # the ReLU of the layer before (its saved output is this layer's input h)
+            dz = _aten.threshold_backward(dh, h, 0) if j > 0 else dh
+        return dz
+
+
+class CNNChunk(ChunkHead):
     """Forward/backward of the c models whose parameters are ``params`` (``model.split`` of
     ``theta [c, d]`` rows: ``{name: [c, *shape]}``)."""
 
     def __init__(self, model: CNN, params: Dict[str, torch.Tensor]):
-        self.model = model
-        names = [n for n, _ in model.param_shapes]
-        self.names = names
-        nconv = len(model.channels)
+        super().__init__(model, params)
         self.conv = []  # (W [c, Cout, Cin·k·k], b [c, Cout])
-        for j in range(nconv):
-            W, b = params[names[2 * j]], params[names[2 * j + 1]]
+        for j in range(len(model.channels)):
+            W, b = params[self.names[2 * j]], params[self.names[2 * j + 1]]
             self.conv.append((W.reshape(W.shape[0], W.shape[1], -1), b))
-        self.fc = [(params[names[2 * (nconv + j)]], params[names[2 * (nconv + j) + 1]])
-                   for j in range(len(model.hidden) + 1)]
-        self._saved: List[tuple] = []
 
     # ---- forward ---------------------------------------------------------------------------
 
@@ -110,20 +158,7 @@ class CNNChunk:
             if keep:
                 saved.append((a.shape, cols, zp, idx, h))
             a = h
-        h = a.reshape(c, -1, n)  # [c, C·H·W, n]: the module's flatten order, rows last
-        last = len(self.fc) - 1
-        for j, (Wl, b) in enumerate(self.fc):
-            z = torch.baddbmm(b.unsqueeze(2), Wl, h)  # [c, out, n]
-            if keep:
-                saved.append(h)
-            h = z.relu_() if j < last else z
-        if keep:
-            self._saved = saved
-        return h
-
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """Logits ``[c, n, C]``."""
-        return self.logits_t(x).transpose(1, 2)
+        return self._dense_forward(a.reshape(c, -1, n), saved, keep)  # [c, C·H·W, n]: the module's flatten order
 
     # ---- backward --------------------------------------------------------------------------
 
@@ -131,21 +166,9 @@ class CNNChunk:
         """Writes the gradient of Σ_j w_j·ce_j (row weights ``w [c, n]``, labels ``y [c, n]``) of
         every model into ``out`` (``model.split`` of a ``[c, d]`` buffer)."""
         model = self.model
-        z = self.logits_t(x, keep=True)
-        c, n = y.shape
-        nconv = len(self.conv)
-        dz = torch.softmax(z, 1)  # d ce / d z = softmax(z) − onehot(y)
-        dz.scatter_add_(1, y.unsqueeze(1), torch.full((1, 1, 1), -1.0, dtype=dz.dtype, device=dz.device).expand(c, 1, n))
-        dz.mul_(w.unsqueeze(1))
-        names = self.names
-        for j in range(len(self.fc) - 1, -1, -1):
-            h = self._saved[nconv + j]
-            Wl = self.fc[j][0]
-            out[names[2 * (nconv + j)]].copy_(torch.bmm(dz, h.transpose(1, 2)))
-            out[names[2 * (nconv + j) + 1]].copy_(dz.sum(2))
-            dh = torch.bmm(Wl.transpose(1, 2), dz)  # [c, in, n]
-            # the ReLU of the layer before (its saved output is this layer's input h)
-            dz = _aten.threshold_backward(dh, h, 0) if j > 0 else dh
+        dz = self._dense_backward(x, y, w, out)
+        c = y.shape[0]
+        nconv, names = len(self.conv), self.names
         k, pool, pad = model.kernel_size, model.pool, model.padding
         da = dz.view(self._saved[nconv - 1][4].shape)  # [c, C, H2, W2, n]
         for j in range(nconv - 1, -1, -1):
