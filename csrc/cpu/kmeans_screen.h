@@ -152,9 +152,7 @@ struct TailMask {
     return v;
   };
   alignas(64) static inline const std::array<T, 2 * L> values_ = make(T(1));
-  alignas(64) static inline const std::array<double, 2 * L> as_double_ = make(1.0);
   static inline const T* const values = values_.data();
-  static inline const double* const as_double = as_double_.data();
 };
 
 // The direct squared distance; every exact distance goes through this one function (two
@@ -214,21 +212,22 @@ template <typename T>
 inline T sqdist_direct_and_add(const T* __restrict__ x, const T* __restrict__ c, int64_t d, double* __restrict__ a) {
   constexpr int L = kLanes<T>, LD = kLanes<double>;
   typedef T Part __attribute__((vector_size(LD * sizeof(T))));  // LD values of T
-  auto add = [&](int64_t j) {  // a[j .. j + L) += x[j .. j + L)
-    for (int h = 0; h < L; h += LD) {
+  auto add_part = [&](int64_t j) {  // a[j .. j + LD) += x[j .. j + LD)
 #if defined(__AVX__) && !defined(__AVX512F__)
-      if constexpr (sizeof(T) == 4) {
-        // GCC lowers the generic conversion below to two 128-bit halves and an insert per 4 floats
-        // (callgrind: ~25 instructions a point at d = 60); one vcvtps2pd from memory does it
-        _mm256_storeu_pd(a + j + h, _mm256_add_pd(_mm256_loadu_pd(a + j + h), _mm256_cvtps_pd(_mm_loadu_ps(x + j + h))));
-        continue;
-      }
-#endif
-      Part xp;
-      std::memcpy(&xp, x + j + h, sizeof xp);
-      const Vec<double> sum = load(a + j + h) + __builtin_convertvector(xp, Vec<double>);
-      std::memcpy(a + j + h, &sum, sizeof sum);
+    if constexpr (sizeof(T) == 4) {
+      // GCC lowers the generic conversion below to two 128-bit halves and an insert per 4 floats
+      // (callgrind: ~25 instructions a point at d = 60); one vcvtps2pd from memory does it
+      _mm256_storeu_pd(a + j, _mm256_add_pd(_mm256_loadu_pd(a + j), _mm256_cvtps_pd(_mm_loadu_ps(x + j))));
+      return;
     }
+#endif
+    Part xp;
+    std::memcpy(&xp, x + j, sizeof xp);
+    const Vec<double> sum = load(a + j) + __builtin_convertvector(xp, Vec<double>);
+    std::memcpy(a + j, &sum, sizeof sum);
+  };
+  auto add = [&](int64_t j) {  // a[j .. j + L) += x[j .. j + L)
+    for (int h = 0; h < L; h += LD) add_part(j + h);
   };
   Vec<T> a0{}, a1{};
   int64_t j = 0;
@@ -245,18 +244,14 @@ inline T sqdist_direct_and_add(const T* __restrict__ x, const T* __restrict__ c,
     add(j);
     j += L;
   }
-  if (j < d && d >= L) {  // the tail as in sqdist_direct; the sums' lanes already added get + 0
+  if (j < d && d >= L) {  // the distance's tail as in sqdist_direct
     const int64_t t = d - L, r = d - j;
     const Vec<T> e1 = (load(x + t) - load(c + t)) * load(TailMask<T>::values + r);
     a1 += e1 * e1;
-    for (int h = 0; h < L; h += LD) {
-      Part xp;
-      std::memcpy(&xp, x + t + h, sizeof xp);
-      const Vec<double> sum =
-          load(a + t + h) + __builtin_convertvector(xp, Vec<double>) * load(TailMask<T>::as_double + r + h);
-      std::memcpy(a + t + h, &sum, sizeof sum);
-    }
-    j = d;
+    // the sums of the r new values: whole parts of LD, then one by one (each a[j] gets one add,
+    // so the order of the adds does not change the bits)
+    for (; j + LD <= d; j += LD) add_part(j);
+    for (; j < d; ++j) a[j] += double(x[j]);
   }
   T acc = hsum<T>(a0 + a1);
   for (; j < d; ++j) {  // d < L
@@ -507,8 +502,8 @@ inline void lane_sums(const Vec<T>* acc, T* out) {
 // ran 573 instructions a point (callgrind), this path 389 with the direct distance. The screens are the same
 // ‖c‖² − 2x·c in T with the same error bound (any summation order), and the candidates go
 // through the same exact recheck, so labels and distances are those of assign_range_p.
-template <typename T, int KB, typename Single, typename OnPoint>
-void assign_range_dots(const T* points, int64_t i0, int64_t i1, const Packed<T>& pk, double* xnorm, bool cached,
+template <typename T, int KB, bool kCached, typename Single, typename OnPoint>
+void assign_range_dots(const T* points, int64_t i0, int64_t i1, const Packed<T>& pk, double* xnorm,
                        Faults& faults, Single&& single, OnPoint&& on_point) {
   using V = Vec<T>;
   constexpr int L = kLanes<T>;
@@ -532,30 +527,30 @@ void assign_range_dots(const T* points, int64_t i0, int64_t i1, const Packed<T>&
     V acc[KB];
 #pragma GCC unroll 24
     for (int k = 0; k < KB; ++k) acc[k] = V{};
-    V xx{};
+    V xx{};  // ‖x‖², unless the norms are cached (the Lloyd loop's later passes)
     // pointers bumped: the loop's own instructions were 6 of a block's 18 with an index
     const T* xb = x;
     for (const T* const xend = x + full * L; xb < xend; xb += L, cb += KB * L) {
       const V xv = load(xb);
-      xx += xv * xv;
+      if constexpr (!kCached) xx += xv * xv;
 #pragma GCC unroll 24
       for (int k = 0; k < KB; ++k) acc[k] += xv * load(cb + k * L);
     }
     if (r) {  // the lanes already counted are zeroed in x
       const V xv = load(x + d - L) * tail_mask;
-      xx += xv * xv;
+      if constexpr (!kCached) xx += xv * xv;
 #pragma GCC unroll 24
       for (int k = 0; k < KB; ++k) acc[k] += xv * load(cb + k * L);
     }
     for (int k = KB; k < KV * L; ++k) sums[p][k] = T(0);
     lane_sums<T, KB>(acc, sums[p]);
-    norms[p] = hsum<T>(xx);
+    if constexpr (!kCached) norms[p] = hsum<T>(xx);
   }
   for (int p = 0; p < nb; ++p) {
     const int64_t i = b0 + p;
     const T* x = points + i * d;
     double xnb;
-    if (xnorm && cached) {
+    if constexpr (kCached) {
       xnb = xnorm[i];
     } else {
       const T xn2 = norms[p];
@@ -626,8 +621,10 @@ void assign_range(const T* points, int64_t i0, int64_t i1, const Packed<T>& pk, 
                   std::vector<T>& dots, Faults& faults, Single&& single, OnPoint&& on_point) {
   switch (pk.KB) {
     case 0: break;
-#define PFLCORE_DOTS(KB) \
-  case KB: return assign_range_dots<T, KB>(points, i0, i1, pk, xnorm, cached, faults, single, on_point);
+#define PFLCORE_DOTS(KB)                                                                          \
+  case KB:                                                                                        \
+    if (xnorm && cached) return assign_range_dots<T, KB, true>(points, i0, i1, pk, xnorm, faults, single, on_point); \
+    return assign_range_dots<T, KB, false>(points, i0, i1, pk, xnorm, faults, single, on_point);
     PFLCORE_DOTS(2) PFLCORE_DOTS(4) PFLCORE_DOTS(6) PFLCORE_DOTS(8) PFLCORE_DOTS(10) PFLCORE_DOTS(12)
 #undef PFLCORE_DOTS
     default: break;
