@@ -335,6 +335,51 @@ PYBIND11_MODULE(_core, m) {
     require(k >= 1 && G && pi, "anderson_solve", "expected k >= 1 and non-null buffers");
     cpu::anderson_solve(as<const double>(G), k, reg, as<double>(pi));
   });
+  // The CNN kernels (csrc/cpu/cnn.cpp): trusted inputs (pflcore/backends/cnn_native.py builds every
+  // buffer and offset); one chunk of models per call, on the calling thread, without the GIL.
+  m.def("cnn_shifted_gemm", [](bool f64, ptr_t src, int64_t src_img, ptr_t off, int64_t Tn, ptr_t w,
+                               ptr_t bias, int64_t G, int64_t n, int64_t R, int64_t P, ptr_t out, int64_t out_img,
+                               int64_t out_row) {
+    require(P % 8 == 0 && Tn >= 1 && G >= 0 && n >= 0 && R >= 0, "cnn_shifted_gemm", "expected P % 8 == 0, Tn >= 1");
+    py::gil_scoped_release nogil;
+    const cpu::KernelTable& k = cpu::active();
+    if (f64) k.cnn_shifted_gemm.f64(as<const double>(src), src_img, as<const int64_t>(off), Tn, as<const double>(w),
+                                    as<const double>(bias), G, n, R, P, as<double>(out), out_img, out_row);
+    else k.cnn_shifted_gemm.f32(as<const float>(src), src_img, as<const int64_t>(off), Tn, as<const float>(w),
+                                as<const float>(bias), G, n, R, P, as<float>(out), out_img, out_row);
+  });
+  m.def("cnn_shifted_corr", [](bool f64, ptr_t a, int64_t a_img, int64_t a_row, ptr_t src, int64_t src_img, ptr_t off,
+                               int64_t Tn, int64_t G, int64_t n, int64_t R, int64_t P, ptr_t dw, ptr_t db) {
+    require(P % 8 == 0 && Tn >= 1 && G >= 0 && n >= 0 && R >= 0, "cnn_shifted_corr", "expected P % 8 == 0, Tn >= 1");
+    py::gil_scoped_release nogil;
+    const cpu::KernelTable& k = cpu::active();
+    if (f64) k.cnn_shifted_corr.f64(as<const double>(a), a_img, a_row, as<const double>(src), src_img,
+                                    as<const int64_t>(off), Tn, G, n, R, P, as<double>(dw), as<double>(db));
+    else k.cnn_shifted_corr.f32(as<const float>(a), a_img, a_row, as<const float>(src), src_img,
+                                as<const int64_t>(off), Tn, G, n, R, P, as<float>(dw), as<float>(db));
+  });
+  m.def("cnn_pool_relu", [](bool f64, ptr_t z, int64_t N, int64_t C, int64_t z_row, int64_t Wz, int64_t H2, int64_t W2,
+                            int64_t pool, int64_t n, ptr_t out, int64_t out_group, int64_t out_img, int64_t s_c,
+                            int64_t s_y, int64_t s_x, ptr_t idx) {
+    require(pool >= 1 && n >= 1 && N >= 0, "cnn_pool_relu", "expected pool >= 1, n >= 1");
+    py::gil_scoped_release nogil;
+    const cpu::KernelTable& k = cpu::active();
+    if (f64) k.cnn_pool_relu.f64(as<const double>(z), N, C, z_row, Wz, H2, W2, pool, n, as<double>(out), out_group,
+                                 out_img, s_c, s_y, s_x, as<int32_t>(idx));
+    else k.cnn_pool_relu.f32(as<const float>(z), N, C, z_row, Wz, H2, W2, pool, n, as<float>(out), out_group, out_img,
+                             s_c, s_y, s_x, as<int32_t>(idx));
+  });
+  m.def("cnn_pool_relu_backward", [](bool f64, ptr_t da, ptr_t h, int64_t N, int64_t C, int64_t H2, int64_t W2,
+                                     int64_t n, int64_t in_group, int64_t in_img, int64_t s_c, int64_t s_y, int64_t s_x,
+                                     ptr_t idx, ptr_t dz, int64_t dz_row) {
+    require(n >= 1 && N >= 0, "cnn_pool_relu_backward", "expected n >= 1");
+    py::gil_scoped_release nogil;
+    const cpu::KernelTable& k = cpu::active();
+    if (f64) k.cnn_pool_relu_backward.f64(as<const double>(da), as<const double>(h), N, C, H2, W2, n, in_group, in_img,
+                                          s_c, s_y, s_x, as<const int32_t>(idx), as<double>(dz), dz_row);
+    else k.cnn_pool_relu_backward.f32(as<const float>(da), as<const float>(h), N, C, H2, W2, n, in_group, in_img,
+                                      s_c, s_y, s_x, as<const int32_t>(idx), as<float>(dz), dz_row);
+  });
   m.def("water_fill", [](ptr_t costs, int64_t r, int64_t k, ptr_t w, ptr_t alpha) {
     require(r >= 0 && k >= 1 && costs && w && alpha, "water_fill", "expected r >= 0, k >= 1 and non-null buffers");
     Faults faults;

@@ -1,5 +1,7 @@
-"""The batched CNN of ``pflcore/backends/cnn_batched.py`` (grouped convolutions over clients on
-the CPU; the im2col + batched GEMMs of ``cnn_im2col.py`` elsewhere, run here on the CPU too) against the references (a per-row ``torch.nn`` module with autograd) and the torch.func path,
+"""The batched CNN of ``pflcore/backends/cnn_batched.py`` (on the CPU the native direct
+convolutions of ``cnn_native.py``, also run here with their torch reference operations, or the
+grouped convolutions over clients; the im2col + batched GEMMs of ``cnn_im2col.py`` elsewhere, run
+here on the CPU too) against the references (a per-row ``torch.nn`` module with autograd) and the torch.func path,
 over the configurations ``CNN`` allows: one or three input channels, odd image sizes, padding,
 pooling windows that leave a remainder, no hidden layer, m = 1 and minibatches of one row.
 Tolerances: conftest.TOL (the same sums in another order)."""
@@ -9,7 +11,7 @@ import pytest
 import torch
 
 from pflcore import models, ops
-from pflcore.backends import cnn_batched
+from pflcore.backends import cnn_batched, cnn_native
 from pflcore.backends import nets as _nets
 
 from conftest import DTYPES, TOL, make_data
@@ -28,9 +30,17 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(params=["grouped", "im2col"], autouse=True)
+@pytest.fixture(params=["native", "torch_ops", "grouped", "im2col"], autouse=True)
 def path(request, monkeypatch):
-    """Every test on both chunk implementations (``im2col``: what non-CPU devices run)."""
+    """Every test on every chunk implementation: ``native`` (the CPU default), ``torch_ops`` (the
+    same chunk on cnn_native's torch reference operations), ``grouped`` (the CPU without the
+    native module) and ``im2col`` (what non-CPU devices run)."""
+    if request.param == "native" and cnn_native.native_ops() is None:
+        pytest.skip("the native module has no CNN kernels")
+    if request.param == "torch_ops":
+        monkeypatch.setattr(cnn_native, "native_ops", lambda: cnn_native.TorchOps())
+    if request.param in ("grouped", "im2col"):
+        monkeypatch.setattr(cnn_batched, "CPU_PATH", "grouped")
     if request.param == "im2col":
         monkeypatch.setattr(cnn_batched, "GROUPED_DEVICES", set())
     return request.param

@@ -51,6 +51,19 @@ template <typename T>
 using ClipAndSumFn = void (*)(const T*, int64_t, int64_t, const T*, double, double, uint64_t, uint64_t, double*,
                               int64_t*, Faults&);
 
+template <typename T>
+using CnnGemmFn = void (*)(const T*, int64_t, const int64_t*, int64_t, const T*, const T*, int64_t, int64_t, int64_t,
+                           int64_t, T*, int64_t, int64_t);
+template <typename T>
+using CnnCorrFn = void (*)(const T*, int64_t, int64_t, const T*, int64_t, const int64_t*, int64_t, int64_t, int64_t,
+                           int64_t, int64_t, T*, T*);
+template <typename T>
+using CnnPoolFn = void (*)(const T*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, T*,
+                           int64_t, int64_t, int64_t, int64_t, int64_t, int32_t*);
+template <typename T>
+using CnnPoolBackFn = void (*)(const T*, const T*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                               int64_t, int64_t, int64_t, const int32_t*, T*, int64_t);
+
 struct KernelTable {
   const char* level;  // "baseline", "avx2", "avx512" or "native"
   Typed<LocalStepsFn> local_steps;
@@ -64,6 +77,10 @@ struct KernelTable {
   Typed<GramFn> gram;
   Typed<AverageFn> average;
   Typed<ClipAndSumFn> clip_and_sum;
+  Typed<CnnGemmFn> cnn_shifted_gemm;
+  Typed<CnnCorrFn> cnn_shifted_corr;
+  Typed<CnnPoolFn> cnn_pool_relu;
+  Typed<CnnPoolBackFn> cnn_pool_relu_backward;
   void (*dp_normals)(uint64_t, uint64_t, int64_t, double*);
   void (*anderson_solve)(const double*, int64_t, double, double*);
   void (*water_fill)(const double*, int64_t, int64_t, const double*, double*, Faults&);

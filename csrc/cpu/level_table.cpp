@@ -19,6 +19,10 @@ const KernelTable& level_table() {
     t.gram = {gram<float>, gram<double>};
     t.average = {average<float>, average<double>};
     t.clip_and_sum = {clip_and_sum<float>, clip_and_sum<double>};
+    t.cnn_shifted_gemm = {cnn_shifted_gemm<float>, cnn_shifted_gemm<double>};
+    t.cnn_shifted_corr = {cnn_shifted_corr<float>, cnn_shifted_corr<double>};
+    t.cnn_pool_relu = {cnn_pool_relu<float>, cnn_pool_relu<double>};
+    t.cnn_pool_relu_backward = {cnn_pool_relu_backward<float>, cnn_pool_relu_backward<double>};
     t.dp_normals = dp_normals;
     t.anderson_solve = anderson_solve;
     t.water_fill = water_fill;

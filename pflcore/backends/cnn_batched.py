@@ -2,6 +2,11 @@
 rows at once (no autograd, no ``vmap``): what the nets adapter (``pflcore/backends/nets.py``) runs
 for every ``CNN`` in ``local_steps``, ``gradients`` and ``evaluate``.
 
+On the CPU with the native module built, the chunks run the direct convolutions of
+``cnn_native.py`` (``csrc/cpu/cnn.cpp``; ``CPU_PATH``); this module's grouped oneDNN convolutions
+are the CPU path without it, and ``cnn_im2col.py`` the path off the CPU. This module's
+``CNNChunk``:
+
 * The c models are the c groups of one grouped convolution per layer: activations are
   ``[n, c·C, H, W]`` in channels-last memory ``[n, H, W, c, C]`` (n rows per model), weights
   ``[c·Cout, Cin, k, k]`` (views of the ``theta`` rows), ``groups = c``. In that layout oneDNN
@@ -34,7 +39,7 @@ from typing import Dict, Optional
 
 import torch
 
-from pflcore.backends import cnn_im2col
+from pflcore.backends import cnn_im2col, cnn_native
 from pflcore.models.nets import CNN
 
 _aten = torch.ops.aten
@@ -44,6 +49,9 @@ _aten = torch.ops.aten
 _PAD_CIN = {3: 4}
 # Devices whose chunks take the grouped convolutions below; others take cnn_im2col's GEMMs.
 GROUPED_DEVICES = {"cpu"}
+# The CPU chunks: "native" (cnn_native.py's kernels, where the native module has them; else the
+# grouped convolutions) or "grouped" (this module's oneDNN convolutions).
+CPU_PATH = "native"
 
 
 class CNNChunk(cnn_im2col.ChunkHead):
@@ -119,8 +127,19 @@ class CNNChunk(cnn_im2col.ChunkHead):
         self._saved = []
 
 
+def _native_ops(theta: torch.Tensor):
+    """cnn_native's kernels where they serve ``theta`` (CPU, float32/float64, built), else None."""
+    if CPU_PATH != "native" or theta.device.type != "cpu" or theta.dtype not in (torch.float32, torch.float64):
+        return None
+    return cnn_native.native_ops()
+
+
 def _chunk(model: CNN, theta: torch.Tensor):
-    """The chunk of the models ``theta [c, d]``: grouped convolutions on ``GROUPED_DEVICES``."""
+    """The chunk of the models ``theta [c, d]``: the native kernels on the CPU (``CPU_PATH``),
+    else grouped convolutions on ``GROUPED_DEVICES``, else cnn_im2col's GEMMs."""
+    ops = _native_ops(theta)
+    if ops is not None:
+        return cnn_native.CNNChunk(model, model.split(theta), ops)
     cls = CNNChunk if theta.device.type in GROUPED_DEVICES else cnn_im2col.CNNChunk
     return cls(model, model.split(theta))
 
@@ -168,9 +187,16 @@ def local_steps_chunk(model: CNN, th: torch.Tensor, data, batch_idx: Optional[to
     g = torch.empty_like(th)
     shrink = 1.0 - lr * (model.l2 + prox)
 
+    native = _native_ops(th) is not None
+
     def gather(idx):
         flat = idx.reshape(-1)
-        return data.x.index_select(0, flat).view(c, -1, p), data.y.index_select(0, flat).view(c, -1)
+        if native:  # rows followed by zeros: the native first layer reads them in place
+            buf = cnn_native.rows_buffer(flat.numel(), p, data.x.dtype, data.x.device)
+            x = torch.index_select(data.x, 0, flat, out=buf)
+        else:
+            x = data.x.index_select(0, flat)
+        return x.view(c, -1, p), data.y.index_select(0, flat).view(c, -1)
 
     if full is not None:
         x, y = gather(full[0])

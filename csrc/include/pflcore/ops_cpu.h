@@ -109,6 +109,36 @@ void gram(const T* vecs /*[k, D]*/, int64_t k, int64_t D, double* G /*[k, k]*/);
 // pi = argmin πᵀ(G + λI)π s.t. Σπ = 1, λ = reg·trace(G): pi = (G+λI)⁻¹1 / 1ᵀ(G+λI)⁻¹1.
 void anderson_solve(const double* G /*[k, k]*/, int64_t k, double reg, double* pi /*[k]*/);
 
+// Thin convolutions of many CNN models at once (csrc/cpu/cnn.cpp; the nets backend's CPU CNN path,
+// pflcore/backends/cnn_native.py). Images are runs of "wide" planes; G models (groups) of n
+// images each, image i = g·n + r uses model g's weights. P (positions per plane) is a multiple
+// of 8, and every src read (q + off[t], q < P) lies inside the caller's buffers. Trusted inputs:
+// the caller built every buffer and offset.
+//   out[i][r][q] = bias[g][r] + Σ_t w[g][r][t] · src[i·src_img + q + off[t]]        (bias may be null)
+template <typename T>
+void cnn_shifted_gemm(const T* src, int64_t src_img, const int64_t* off /*[Tn]*/, int64_t Tn,
+                      const T* w /*[G, R, Tn]*/, const T* bias /*[G, R]*/, int64_t G, int64_t n, int64_t R,
+                      int64_t P, T* out /*out[i·out_img + r·out_row + q]*/, int64_t out_img, int64_t out_row);
+//   dw[g][r][t] = Σ_{i in g} Σ_{q<P} a[i·a_img + r·a_row + q] · src[i·src_img + q + off[t]];
+//   db[g][r] = Σ_{i in g} Σ_{q<P} a[i·a_img + r·a_row + q]                              (db may be null)
+template <typename T>
+void cnn_shifted_corr(const T* a, int64_t a_img, int64_t a_row, const T* src, int64_t src_img,
+                      const int64_t* off /*[Tn]*/, int64_t Tn, int64_t G, int64_t n, int64_t R, int64_t P,
+                      T* dw /*[G, R, Tn]*/, T* db /*[G, R]*/);
+// Max-pooling (window = stride = pool) of the planes z [N, C, z_row] (rows of Wz values), then the
+// ReLU: h[(i / n)·out_group + (i % n)·out_img + c·s_c + y·s_y + x·s_x] for y < H2, x < W2, and
+// idx [N, C, H2, W2] the position in z's plane of each window's first maximal value.
+template <typename T>
+void cnn_pool_relu(const T* z, int64_t N, int64_t C, int64_t z_row, int64_t Wz, int64_t H2, int64_t W2,
+                   int64_t pool, int64_t n, T* out, int64_t out_group, int64_t out_img, int64_t s_c, int64_t s_y,
+                   int64_t s_x, int32_t* idx);
+// Its gradient: dz[i·C·dz_row + c·dz_row + idx] = da[same place as h] where h > 0; dz's other
+// values are left as they are (the caller zeroes them).
+template <typename T>
+void cnn_pool_relu_backward(const T* da, const T* h, int64_t N, int64_t C, int64_t H2, int64_t W2, int64_t n,
+                            int64_t in_group, int64_t in_img, int64_t s_c, int64_t s_y, int64_t s_x,
+                            const int32_t* idx, T* dz, int64_t dz_row);
+
 // PERM's water-filling (csrc/cpu/water_fill.cpp): alpha[i, j] = w[j]·max(0, τ_i − costs[i, j]), the
 // level τ_i such that the row sums to 1. Checks w (finite, > 0) and each row of costs (finite).
 void water_fill(const double* costs /*[r, k]*/, int64_t r, int64_t k, const double* w /*[k]*/,

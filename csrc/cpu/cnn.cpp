@@ -1,0 +1,245 @@
+// Direct convolutions of thin CNN layers (a few to a few tens of channels per model), many models
+// at once: the CPU path of the batched CNN (pflcore/backends/cnn_native.py, DESIGN.md on nets).
+// oneDNN's grouped convolution ran these layers at 4–25 GFLOP/s at one thread (its input
+// gradient worst), far below the machine's GEMM rate.
+//
+// Layout: every image (one row of one model) is a set of "wide" planes, one per channel: H rows
+// of Wp values (Wp: the padded input width) in one flat run. An output position q = y·Wp + x of
+// a k×k convolution reads the input at q + i·Wp + j (tap (i, j)), so, over the flat runs, a
+// convolution is a GEMM whose right-hand matrix's rows are shifted views of the same input:
+//   out[r][q] = Σ_t w[r][t] · src[q + off[t]]          (shifted_gemm: forward, input gradient)
+//   dw[r][t]  = Σ_q a[r][q] · src[q + off[t]]          (shifted_corr: weight gradient)
+// with one offset per tap t. Columns x >= Wo of an output row are garbage (they wrap into the
+// next input row): never read by the pooling, and zero in every gradient, so they add nothing
+// to dw. The input gradient is shifted_gemm on the output gradient with transposed weights and
+// negative tap offsets (the caller pads each gradient plane in front with zeros).
+//
+// Register blocks: shifted_gemm keeps RB output rows × VB vectors of positions in registers
+// (4 × 3 at most: 12 of AVX2's 16 registers), shifted_corr RB gradient rows × TB taps (3 × 4);
+// the remainders take smaller instances of the same templates. Vectors are GCC/Clang vector
+// types of 32 bytes (one AVX2 register; two SSE registers on the baseline level).
+//
+// Models (groups) are independent, sums run in a fixed order, and nothing is threaded here: the
+// caller runs one chunk of models per thread, so the bits do not depend on the thread count.
+#include <cstring>
+#include <limits>
+
+#include "pflcore/ops_cpu.h"
+
+namespace pflcore::cpu {
+PFLCORE_LEVEL_BEGIN
+
+namespace {
+
+template <typename T>
+struct Vec {
+  typedef T type __attribute__((vector_size(32)));
+  static constexpr int lanes = 32 / sizeof(T);
+  static type load(const T* p) {
+    type v;
+    std::memcpy(&v, p, sizeof(v));  // unaligned
+    return v;
+  }
+  static void store(T* p, type v) { std::memcpy(p, &v, sizeof(v)); }
+  // (vector op scalar broadcasts the scalar: one vbroadcastss from memory, where `type{} + s`
+  // would first add to a zero register)
+  static type splat(T s) {
+    type v = type{};
+    return v + s;
+  }
+  static T sum(type v) {  // fixed order: lane 0 first
+    T s = v[0];
+    for (int l = 1; l < lanes; ++l) s += v[l];
+    return s;
+  }
+};
+
+// out[r][q] (r < RB, q in [q0, q0 + VB·lanes)) = bias[r] + Σ_t w[r·Tn + t] · src[q + off[t]].
+template <typename T, int RB, int VB>
+inline void gemm_block(const T* src, const int64_t* off, int64_t Tn, const T* w, const T* bias, int64_t q0, T* out,
+                       int64_t out_row) {
+  using V = Vec<T>;
+  using v_t = typename V::type;
+  v_t acc[RB][VB];
+  for (int r = 0; r < RB; ++r)
+    for (int v = 0; v < VB; ++v) acc[r][v] = V::splat(bias ? bias[r] : T(0));
+  const T* s0 = src + q0;
+  for (int64_t t = 0; t < Tn; ++t) {
+    const T* s = s0 + off[t];
+    v_t x[VB];
+    for (int v = 0; v < VB; ++v) x[v] = V::load(s + v * V::lanes);
+    for (int r = 0; r < RB; ++r) {
+      const T wr = w[r * Tn + t];
+      for (int v = 0; v < VB; ++v) acc[r][v] += wr * x[v];
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int v = 0; v < VB; ++v) V::store(out + r * out_row + q0 + v * V::lanes, acc[r][v]);
+}
+
+// Rows [r0, r0 + RB) of one image, every position (P a multiple of the lanes).
+template <typename T, int RB>
+inline void gemm_rows(const T* src, const int64_t* off, int64_t Tn, const T* w, const T* bias, int64_t P, T* out,
+                      int64_t out_row) {
+  constexpr int L = Vec<T>::lanes;
+  int64_t q = 0;
+  for (; q + 3 * L <= P; q += 3 * L) gemm_block<T, RB, 3>(src, off, Tn, w, bias, q, out, out_row);
+  if (P - q == 2 * L) gemm_block<T, RB, 2>(src, off, Tn, w, bias, q, out, out_row);
+  else if (P - q == L) gemm_block<T, RB, 1>(src, off, Tn, w, bias, q, out, out_row);
+}
+
+// dw[r][t] (r < RB, t < TB) += Σ over the group's n images and P positions of a[r][q]·src[q + off[t]].
+template <typename T, int RB, int TB>
+inline void corr_block(const T* a, int64_t a_img, int64_t a_row, const T* src, int64_t src_img, const int64_t* off,
+                       int64_t n, int64_t P, T* dw, int64_t Tn) {
+  using V = Vec<T>;
+  using v_t = typename V::type;
+  v_t acc[RB][TB];
+  for (int r = 0; r < RB; ++r)
+    for (int t = 0; t < TB; ++t) acc[r][t] = v_t{};
+  for (int64_t i = 0; i < n; ++i) {
+    const T* ai = a + i * a_img;
+    const T* si = src + i * src_img;
+    for (int64_t q = 0; q < P; q += V::lanes) {
+      v_t av[RB];
+      for (int r = 0; r < RB; ++r) av[r] = V::load(ai + r * a_row + q);
+      for (int t = 0; t < TB; ++t) {
+        const v_t x = V::load(si + off[t] + q);
+        for (int r = 0; r < RB; ++r) acc[r][t] += av[r] * x;
+      }
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int t = 0; t < TB; ++t) dw[r * Tn + t] = V::sum(acc[r][t]);
+}
+
+template <typename T, int RB>
+inline void corr_rows(const T* a, int64_t a_img, int64_t a_row, const T* src, int64_t src_img, const int64_t* off,
+                      int64_t Tn, int64_t n, int64_t P, T* dw) {
+  int64_t t = 0;
+  for (; t + 4 <= Tn; t += 4) corr_block<T, RB, 4>(a, a_img, a_row, src, src_img, off + t, n, P, dw + t, Tn);
+  switch (Tn - t) {
+    case 3: corr_block<T, RB, 3>(a, a_img, a_row, src, src_img, off + t, n, P, dw + t, Tn); break;
+    case 2: corr_block<T, RB, 2>(a, a_img, a_row, src, src_img, off + t, n, P, dw + t, Tn); break;
+    case 1: corr_block<T, RB, 1>(a, a_img, a_row, src, src_img, off + t, n, P, dw + t, Tn); break;
+    default: break;
+  }
+}
+
+}  // namespace
+
+template <typename T>
+void cnn_shifted_gemm(const T* src, int64_t src_img, const int64_t* off, int64_t Tn, const T* w, const T* bias,
+                      int64_t G, int64_t n, int64_t R, int64_t P, T* out, int64_t out_img, int64_t out_row) {
+  for (int64_t g = 0; g < G; ++g) {
+    const T* wg = w + g * R * Tn;
+    const T* bg = bias ? bias + g * R : nullptr;
+    for (int64_t i = g * n; i < (g + 1) * n; ++i) {
+      const T* s = src + i * src_img;
+      T* o = out + i * out_img;
+      int64_t r = 0;
+      for (; r + 4 <= R; r += 4)
+        gemm_rows<T, 4>(s, off, Tn, wg + r * Tn, bg ? bg + r : nullptr, P, o + r * out_row, out_row);
+      const T* wr = wg + r * Tn;
+      const T* br = bg ? bg + r : nullptr;
+      T* orow = o + r * out_row;
+      switch (R - r) {
+        case 3: gemm_rows<T, 3>(s, off, Tn, wr, br, P, orow, out_row); break;
+        case 2: gemm_rows<T, 2>(s, off, Tn, wr, br, P, orow, out_row); break;
+        case 1: gemm_rows<T, 1>(s, off, Tn, wr, br, P, orow, out_row); break;
+        default: break;
+      }
+    }
+  }
+}
+
+template <typename T>
+void cnn_shifted_corr(const T* a, int64_t a_img, int64_t a_row, const T* src, int64_t src_img, const int64_t* off,
+                      int64_t Tn, int64_t G, int64_t n, int64_t R, int64_t P, T* dw, T* db) {
+  constexpr int L = Vec<T>::lanes;
+  for (int64_t g = 0; g < G; ++g) {
+    const T* ag = a + g * n * a_img;
+    const T* sg = src + g * n * src_img;
+    T* dwg = dw + g * R * Tn;
+    int64_t r = 0;
+    for (; r + 3 <= R; r += 3) corr_rows<T, 3>(ag + r * a_row, a_img, a_row, sg, src_img, off, Tn, n, P, dwg + r * Tn);
+    switch (R - r) {
+      case 2: corr_rows<T, 2>(ag + r * a_row, a_img, a_row, sg, src_img, off, Tn, n, P, dwg + r * Tn); break;
+      case 1: corr_rows<T, 1>(ag + r * a_row, a_img, a_row, sg, src_img, off, Tn, n, P, dwg + r * Tn); break;
+      default: break;
+    }
+    if (!db) continue;
+    for (r = 0; r < R; ++r) {  // the bias gradient: Σ of the row's vectors, then its lanes
+      typename Vec<T>::type acc{};
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t q = 0; q < P; q += L) acc += Vec<T>::load(ag + i * a_img + r * a_row + q);
+      db[g * R + r] = Vec<T>::sum(acc);
+    }
+  }
+}
+
+template <typename T>
+void cnn_pool_relu(const T* z, int64_t N, int64_t C, int64_t z_row, int64_t Wz, int64_t H2, int64_t W2, int64_t pool,
+                   int64_t n, T* out, int64_t out_group, int64_t out_img, int64_t s_c, int64_t s_y, int64_t s_x,
+                   int32_t* idx) {
+  for (int64_t i = 0; i < N; ++i) {
+    T* oi = out + (i / n) * out_group + (i % n) * out_img;
+    for (int64_t c = 0; c < C; ++c) {
+      const T* zc = z + (i * C + c) * z_row;
+      int32_t* ic = idx + ((i * C + c) * H2) * W2;
+      for (int64_t y = 0; y < H2; ++y)
+        for (int64_t x = 0; x < W2; ++x) {
+          // the first maximal input of the window in row-major order (a NaN wins), as torch's
+          int64_t best = (y * pool) * Wz + x * pool;
+          T m = zc[best];
+          for (int64_t u = 0; u < pool; ++u)
+            for (int64_t v = 0; v < pool; ++v) {
+              const int64_t q = (y * pool + u) * Wz + x * pool + v;
+              const T val = zc[q];
+              if (val > m || val != val) {
+                m = val;
+                best = q;
+              }
+            }
+          ic[y * W2 + x] = static_cast<int32_t>(best);
+          oi[c * s_c + y * s_y + x * s_x] = m > T(0) ? m : (m != m ? m : T(0));  // relu
+        }
+    }
+  }
+}
+
+template <typename T>
+void cnn_pool_relu_backward(const T* da, const T* h, int64_t N, int64_t C, int64_t H2, int64_t W2, int64_t n,
+                            int64_t in_group, int64_t in_img, int64_t s_c, int64_t s_y, int64_t s_x,
+                            const int32_t* idx, T* dz, int64_t dz_row) {
+  for (int64_t i = 0; i < N; ++i) {
+    const int64_t base = (i / n) * in_group + (i % n) * in_img;
+    for (int64_t c = 0; c < C; ++c) {
+      T* dc = dz + (i * C + c) * dz_row;
+      const int32_t* ic = idx + ((i * C + c) * H2) * W2;
+      for (int64_t y = 0; y < H2; ++y)
+        for (int64_t x = 0; x < W2; ++x) {
+          const int64_t o = base + c * s_c + y * s_y + x * s_x;
+          if (h[o] > T(0)) dc[ic[y * W2 + x]] = da[o];  // the ReLU's gradient, to the window's maximum
+        }
+    }
+  }
+}
+
+PFLCORE_LEVEL_END
+
+#define PFLCORE_CNN_INSTANTIATE(T)                                                                                    \
+  template void cnn_shifted_gemm<T>(const T*, int64_t, const int64_t*, int64_t, const T*, const T*, int64_t, int64_t, \
+                                    int64_t, int64_t, T*, int64_t, int64_t);                                          \
+  template void cnn_shifted_corr<T>(const T*, int64_t, int64_t, const T*, int64_t, const int64_t*, int64_t, int64_t,  \
+                                    int64_t, int64_t, int64_t, T*, T*);                                               \
+  template void cnn_pool_relu<T>(const T*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,    \
+                                 T*, int64_t, int64_t, int64_t, int64_t, int64_t, int32_t*);                          \
+  template void cnn_pool_relu_backward<T>(const T*, const T*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,   \
+                                          int64_t, int64_t, int64_t, int64_t, const int32_t*, T*, int64_t);
+PFLCORE_LEVEL_BEGIN
+PFLCORE_CNN_INSTANTIATE(float)
+PFLCORE_CNN_INSTANTIATE(double)
+PFLCORE_LEVEL_END
+
+}  // namespace pflcore::cpu

@@ -1,0 +1,271 @@
+"""The forward and backward pass of c ``CNN`` models (one chunk of model rows) on the CPU with the
+direct convolutions of ``csrc/cpu/cnn.cpp``: what ``cnn_batched.py`` runs on the CPU when the
+native module is built (otherwise its grouped oneDNN convolutions). Same interface as
+``cnn_batched.CNNChunk``.
+
+Why native: the per-model layers are thin (1→10, 10→20, 3→6, 6→16 channels), where oneDNN's
+grouped convolution ran at 4–25 GFLOP/s at one thread (its input gradient worst) and was 70–78%
+of a local step. The kernels (``csrc/cpu/cnn.cpp``) treat a convolution over "wide" planes as
+a GEMM whose right-hand rows are shifted views of the input, and ran each op at 30–65 GFLOP/s.
+
+Layout (N = c·n images, image i = g·n + r is row r of model g):
+
+* A layer's input: ``[N, Cin, L]`` planes of the padded image (Hp rows of Wp values, zero
+  borders) in a flat run of L = Hp·Wp rounded up to 8, then ``_SLACK`` zeros after the last
+  image (a wide output row's last vector reads a few values past its plane). The first layer
+  without padding reads the gathered data rows as they are (L = H·W: no copy; ``rows_buffer``).
+* Its output ``z [N, Cout, Lz]``: Ho rows of Wp values (columns x >= Wo are garbage, never
+  read), Lz = Ho·Wp rounded up to 8.
+* Max-pooling then ReLU (they commute: relu(max z) = max(relu z); the gradient goes to the
+  first maximal input of the window where the pooled value is > 0, as the module's) writes the
+  next layer's input planes in place, or, after the last conv layer, the flattened features
+  ``[c, C·H·W, n]`` (the module's flatten order, rows last) of ``cnn_im2col.ChunkHead``'s dense
+  layers.
+* Backward: the pooled gradient goes into ``dz [N, Cout, F + L]`` (zeros elsewhere, F zeros in
+  front of each plane so that the input gradient's negative tap offsets stay inside it); the
+  weight gradient is ``shifted_corr(dz, input)``; the input gradient (not for the first layer:
+  the rows are data) is ``shifted_gemm`` of dz with the transposed weights, in the input's
+  ``[N, Cin, L]`` layout, where the previous layer's pooling gradient reads it.
+
+``TorchOps`` is the same four operations in torch (the reference the tests check the kernels
+against; also a chunk that runs anywhere, slowly). Determinism: a chunk runs on one thread and the
+kernels sum in a fixed order, so the bits do not depend on the thread count.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Dict, List, NamedTuple, Optional
+
+import torch
+
+from pflcore.backends import cnn_im2col
+from pflcore.models.nets import CNN
+
+# Values read past the last plane of a layer's input: a wide output row's last vector reaches up to
+# k + 6 values beyond the padded image (any kernel size up to _SLACK - 8).
+_SLACK = 64
+
+
+def _up8(v: int) -> int:
+    return -(-v // 8) * 8
+
+
+class Layer(NamedTuple):
+    """The geometry of conv layer j (and its pooling) in the wide layout."""
+    cin: int
+    cout: int
+    pad: int
+    wp: int      # padded input width: the row stride of every plane of this layer
+    L: int       # input plane stride
+    ho: int      # output rows
+    lz: int      # output plane stride (and the positions computed)
+    h2: int      # pooled rows and columns
+    w2: int
+    front: int   # zeros in front of each output-gradient plane (0 for the first layer)
+    off_f: torch.Tensor  # int64 [Cin·k·k] forward tap offsets (ci, i, j): ci·L + i·Wp + j
+    off_i: torch.Tensor  # int64 [Cout·k·k] input-gradient tap offsets (co, i, j): co·dz_row + F − i·Wp − j
+
+    @property
+    def dz_row(self) -> int:
+        return self.front + self.L
+
+
+@functools.lru_cache(maxsize=64)
+def layers(model: CNN) -> List[Layer]:
+    """Every conv layer's geometry (cached per model configuration)."""
+    k, pad, pool = model.kernel_size, model.padding, model.pool
+    cin, H, W = model.image_shape
+    out = []
+    for j, cout in enumerate(model.channels):
+        hp, wp = H + 2 * pad, W + 2 * pad
+        L = hp * wp if (j == 0 and pad == 0) else _up8(hp * wp)  # raw data rows in the first layer
+        ho, wo = hp - k + 1, wp - k + 1
+        front = _up8((k - 1) * (wp + 1)) if j > 0 else 0
+        taps = torch.tensor([i * wp + jj for i in range(k) for jj in range(k)], dtype=torch.int64)
+        off_f = (torch.arange(cin, dtype=torch.int64)[:, None] * L + taps).reshape(-1)
+        off_i = (torch.arange(cout, dtype=torch.int64)[:, None] * (front + L) + front - taps).reshape(-1)
+        out.append(Layer(cin, cout, pad, wp, L, ho, _up8(ho * wp), ho // pool, wo // pool, front, off_f, off_i))
+        cin, H, W = cout, ho // pool, wo // pool
+    return out
+
+
+def rows_buffer(N: int, p: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """``[N, p]`` rows in a buffer with ``_SLACK`` zeros after them, for ``index_select(out=...)``:
+    a first layer without padding then convolves the rows where they lie."""
+    buf = torch.empty(N * p + _SLACK, dtype=dtype, device=device)
+    buf[N * p:].zero_()
+    return buf[:N * p].view(N, p)
+
+
+def _has_slack(x: torch.Tensor) -> bool:
+    """Whether ``_SLACK`` elements after contiguous ``x`` are inside its storage (``rows_buffer``)."""
+    end = (x.storage_offset() + x.numel() + _SLACK) * x.element_size()
+    return x.is_contiguous() and x.untyped_storage().nbytes() >= end
+
+
+# ---- the four operations: native, and the torch reference ---------------------------------------
+# Every buffer argument is a flat 1-D tensor whose first element is where the C++ pointer points.
+
+class NativeOps:
+    """``csrc/cpu/cnn.cpp`` through ``pflcore._core``."""
+
+    def __init__(self, core):
+        self.core = core
+
+    def shifted_gemm(self, src, src_img, off, w, bias, G, n, R, P, out, out_img, out_row):
+        self.core.cnn_shifted_gemm(src.dtype is torch.float64, src.data_ptr(), src_img, off.data_ptr(), off.numel(),
+                                   w.data_ptr(), 0 if bias is None else bias.data_ptr(), G, n, R, P, out.data_ptr(),
+                                   out_img, out_row)
+
+    def shifted_corr(self, a, a_img, a_row, src, src_img, off, G, n, R, P, dw, db):
+        self.core.cnn_shifted_corr(a.dtype is torch.float64, a.data_ptr(), a_img, a_row, src.data_ptr(), src_img,
+                                   off.data_ptr(), off.numel(), G, n, R, P, dw.data_ptr(), db.data_ptr())
+
+    def pool_relu(self, z, N, C, z_row, wz, h2, w2, pool, n, out, out_group, out_img, s_c, s_y, s_x, idx):
+        self.core.cnn_pool_relu(z.dtype is torch.float64, z.data_ptr(), N, C, z_row, wz, h2, w2, pool, n,
+                                out.data_ptr(), out_group, out_img, s_c, s_y, s_x, idx.data_ptr())
+
+    def pool_relu_backward(self, da, h, N, C, h2, w2, n, in_group, in_img, s_c, s_y, s_x, idx, dz, dz_row):
+        self.core.cnn_pool_relu_backward(da.dtype is torch.float64, da.data_ptr(), h.data_ptr(), N, C, h2, w2, n,
+                                         in_group, in_img, s_c, s_y, s_x, idx.data_ptr(), dz.data_ptr(), dz_row)
+
+
+class TorchOps:
+    """The same operations in torch: the reference of the native kernels (tests)."""
+
+    @staticmethod
+    def _cols(src, src_img, off, N, P):  # [N, Tn, P]: src[i·src_img + off[t] + q]
+        i = torch.arange(N, device=src.device)[:, None, None] * src_img
+        return src[i + off.to(src.device)[None, :, None] + torch.arange(P, device=src.device)]
+
+    def shifted_gemm(self, src, src_img, off, w, bias, G, n, R, P, out, out_img, out_row):
+        cols = self._cols(src, src_img, off, G * n, P).view(G, n, -1, P)
+        res = torch.einsum("grt,gntp->gnrp", w.view(G, R, -1), cols)
+        if bias is not None:
+            res = res + bias.view(G, 1, R, 1)
+        out.as_strided((G * n, R, P), (out_img, out_row, 1)).copy_(res.reshape(G * n, R, P))
+
+    def shifted_corr(self, a, a_img, a_row, src, src_img, off, G, n, R, P, dw, db):
+        av = a.as_strided((G, n, R, P), (n * a_img, a_img, a_row, 1))
+        cols = self._cols(src, src_img, off, G * n, P).view(G, n, -1, P)
+        dw.view(G, R, -1).copy_(torch.einsum("gnrp,gntp->grt", av, cols))
+        db.view(G, R).copy_(av.sum((1, 3)))
+
+    def pool_relu(self, z, N, C, z_row, wz, h2, w2, pool, n, out, out_group, out_img, s_c, s_y, s_x, idx):
+        win = z.as_strided((N, C, h2, w2, pool, pool), (C * z_row, z_row, pool * wz, pool, wz, 1))
+        m, arg = win.reshape(N, C, h2, w2, pool * pool).max(4)  # the first maximal value (a NaN wins)
+        y = torch.arange(h2, device=z.device)[:, None]
+        x = torch.arange(w2, device=z.device)
+        idx.view(N, C, h2, w2).copy_((y * pool + arg // pool) * wz + x * pool + arg % pool)
+        out.as_strided((N // n, n, C, h2, w2), (out_group, out_img, s_c, s_y, s_x)).copy_(
+            m.relu().view(N // n, n, C, h2, w2))
+
+    def pool_relu_backward(self, da, h, N, C, h2, w2, n, in_group, in_img, s_c, s_y, s_x, idx, dz, dz_row):
+        shape, strides = (N // n, n, C, h2, w2), (in_group, in_img, s_c, s_y, s_x)
+        hv, dav = h.as_strided(shape, strides).reshape(N, C, -1), da.as_strided(shape, strides).reshape(N, C, -1)
+        # each plane's values up to where the last plane's end allows (the maxima lie before)
+        dzv = dz.as_strided((N, C, min(dz_row, dz.numel() - (N * C - 1) * dz_row)), (C * dz_row, dz_row, 1))
+        at = idx.view(N, C, -1).long()
+        dzv.scatter_(2, at, torch.where(hv > 0, dav, dzv.gather(2, at)))
+
+
+@functools.lru_cache(maxsize=None)
+def native_ops() -> Optional[NativeOps]:
+    """The native operations when the native module has them, else None (resolved once)."""
+    from pflcore import backend
+    core = backend.loaded("native")
+    return NativeOps(core) if core is not None and hasattr(core, "cnn_shifted_gemm") else None
+
+
+# ---- the chunk ----------------------------------------------------------------------------------
+
+class CNNChunk(cnn_im2col.ChunkHead):
+    """Forward/backward of the c models whose parameters are ``params`` (``model.split`` of
+    ``theta [c, d]`` rows: ``{name: [c, *shape]}``), float32 or float64, with ``ops``
+    (``NativeOps`` or ``TorchOps``)."""
+
+    def __init__(self, model: CNN, params: Dict[str, torch.Tensor], ops):
+        super().__init__(model, params)
+        self.ops = ops
+        self.geo = layers(model)
+        self.c = params[self.names[0]].shape[0]
+        self.conv = []  # (W [c, Cout, Cin·k·k], b [c, Cout], Wt [c, Cin, Cout·k·k]): contiguous copies
+        k2 = model.kernel_size ** 2
+        for j, g in enumerate(self.geo):
+            W, b = params[self.names[2 * j]], params[self.names[2 * j + 1]]
+            Wt = W.transpose(1, 2).reshape(self.c, g.cin, g.cout * k2).contiguous() if j > 0 else None
+            self.conv.append((W.reshape(self.c, g.cout, -1).contiguous(), b.contiguous(), Wt))
+
+    def _first_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The first layer's input planes, flat (``[N, Cin, L]`` then ``_SLACK`` zeros)."""
+        c, n, p = x.shape
+        g = self.geo[0]
+        if g.pad == 0:
+            if not _has_slack(x):
+                x = rows_buffer(c * n, p, x.dtype, x.device).copy_(x.reshape(c * n, p))
+            return x.reshape(-1).as_strided((c * n * p + _SLACK,), (1,))
+        cin, H, W = self.model.image_shape
+        buf = x.new_zeros(c * n * cin * g.L + _SLACK)
+        planes = buf[:c * n * cin * g.L].view(c * n, cin, g.L)[..., :(H + 2 * g.pad) * g.wp]
+        planes.view(c * n, cin, H + 2 * g.pad, g.wp)[..., g.pad:g.pad + H, g.pad:g.pad + W].copy_(
+            x.reshape(c * n, cin, H, W))
+        return buf
+
+    def _pool_target(self, j: int, n: int, like: torch.Tensor):
+        """Where layer j's pooled output goes: (flat buffer, its view at the first pixel, strides
+        (group, image, channel, row, column)); the next layer's padded input, or the features."""
+        g, c = self.geo[j], self.c
+        if j + 1 < len(self.geo):
+            nx = self.geo[j + 1]
+            buf = like.new_zeros(c * n * nx.cin * nx.L + _SLACK)  # zero borders, gaps and slack
+            first = nx.pad * nx.wp + nx.pad
+            return buf, buf[first:], (n * nx.cin * nx.L, nx.cin * nx.L, nx.L, nx.wp, 1)
+        feats = like.new_empty(c, g.cout * g.h2 * g.w2, n)  # [c, C·H·W, n]
+        return feats, feats.view(-1), (g.cout * g.h2 * g.w2 * n, 1, g.h2 * g.w2 * n, g.w2 * n, n)
+
+    # ---- forward ---------------------------------------------------------------------------
+
+    def logits_t(self, x: torch.Tensor, keep: bool = False) -> torch.Tensor:
+        """Logits ``[c, C, n]`` (classes first) of every model on its rows ``x [c, n, p]``;
+        ``keep``: save what ``gradient`` needs."""
+        c, n = x.shape[:2]
+        N, ops, pool = c * n, self.ops, self.model.pool
+        a = self._first_input(x)
+        saved = []
+        for j, (g, (Wk, b, _)) in enumerate(zip(self.geo, self.conv)):
+            z = x.new_empty(N * g.cout * g.lz)  # [N, Cout, Lz]
+            ops.shifted_gemm(a, g.cin * g.L, g.off_f, Wk, b, c, n, g.cout, g.lz, z, g.cout * g.lz, g.lz)
+            idx = torch.empty(N * g.cout * g.h2 * g.w2, dtype=torch.int32, device=x.device)
+            nxt, at, st = self._pool_target(j, n, x)
+            ops.pool_relu(z, N, g.cout, g.lz, g.wp, g.h2, g.w2, pool, n, at, *st, idx)
+            if keep:
+                saved.append((a, idx, at, st))
+            a = nxt
+        return self._dense_forward(a, saved, keep)
+
+    # ---- backward --------------------------------------------------------------------------
+
+    def gradient(self, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, out: Dict[str, torch.Tensor]) -> None:
+        """Writes the gradient of Σ_j w_j·ce_j (row weights ``w [c, n]``, labels ``y [c, n]``) of
+        every model into ``out`` (``model.split`` of a ``[c, d]`` buffer)."""
+        da = self._dense_backward(x, y, w, out).contiguous().view(-1)  # at the features [c, C·H·W, n]
+        c, n = y.shape
+        N, ops, names = c * n, self.ops, self.names
+        nconv = len(self.geo)
+        for j in range(nconv - 1, -1, -1):
+            g = self.geo[j]
+            a, idx, h, st = self._saved[j]
+            dz = x.new_zeros(N * g.cout * g.dz_row)  # [N, Cout, F + L]: zeros but at the maxima
+            ops.pool_relu_backward(da, h, N, g.cout, g.h2, g.w2, n, *st, idx, dz[g.front:], g.dz_row)
+            dW = x.new_empty(c, g.cout, g.cin * self.model.kernel_size ** 2)
+            db = x.new_empty(c, g.cout)
+            ops.shifted_corr(dz[g.front:], g.cout * g.dz_row, g.dz_row, a, g.cin * g.L, g.off_f, c, n, g.cout, g.lz,
+                             dW, db)
+            out[names[2 * j]].copy_(dW.view(out[names[2 * j]].shape))
+            out[names[2 * j + 1]].copy_(db)
+            if j > 0:  # the input gradient, in the layout of this layer's input (= the pooled output of j − 1)
+                dnext = x.new_empty(N * g.cin * g.L)
+                ops.shifted_gemm(dz, g.cout * g.dz_row, g.off_i, self.conv[j][2], None, c, n, g.cin, g.L, dnext,
+                                 g.cin * g.L, g.L)
+                da = dnext[g.pad * g.wp + g.pad:]
+        self._saved = []

@@ -1,0 +1,77 @@
+"""The native CNN kernels (``csrc/cpu/cnn.cpp``) against their torch reference
+(``cnn_native.TorchOps``) on random buffers: register-block remainders (rows not a multiple of
+4 or 3, taps not a multiple of 4, positions not a multiple of 3 vectors), several groups, both
+dtypes, pooling ties and NaN. The whole chunk on both is checked in test_cnn_batched.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pflcore.backends import cnn_native
+
+from conftest import DTYPES, TOL
+
+NATIVE = cnn_native.native_ops()
+pytestmark = pytest.mark.skipif(NATIVE is None, reason="the native module has no CNN kernels")
+REF = cnn_native.TorchOps()
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("R, Tn, P", [(1, 1, 8), (3, 5, 16), (4, 9, 24), (6, 25, 40), (7, 13, 56)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_shifted_gemm_and_corr_equal_the_reference(R, Tn, P, dtype):
+    G, n, src_img = 2, 3, 50
+    g = _gen(R * 100 + Tn)
+    off = torch.randint(0, 30, (Tn,), generator=g)
+    src = torch.randn(G * n * src_img + 40, generator=g, dtype=dtype)  # every q + off[t] lies inside
+    w = torch.randn(G, R, Tn, generator=g, dtype=dtype)
+    bias = torch.randn(G, R, generator=g, dtype=dtype)
+    out_img, out_row = R * (P + 1) + 5, P + 1  # strides wider than the rows: the gaps stay as they are
+    for b in (bias, None):
+        got = torch.full((G * n * out_img,), 7.0, dtype=dtype)
+        want = got.clone()
+        NATIVE.shifted_gemm(src, src_img, off, w, b, G, n, R, P, got, out_img, out_row)
+        REF.shifted_gemm(src, src_img, off, w, b, G, n, R, P, want, out_img, out_row)
+        torch.testing.assert_close(got, want, **TOL[dtype])
+        assert int((got == 7.0).sum()) == G * n * (out_img - R * P)  # the gaps
+    a = got[: G * n * out_img]
+    dw, db, dw_ref, db_ref = (torch.empty(G, R, *s, dtype=dtype) for s in ((Tn,), (), (Tn,), ()))
+    NATIVE.shifted_corr(a, out_img, out_row, src, src_img, off, G, n, R, P, dw, db)
+    REF.shifted_corr(a, out_img, out_row, src, src_img, off, G, n, R, P, dw_ref, db_ref)
+    torch.testing.assert_close(dw, dw_ref, **TOL[dtype])
+    torch.testing.assert_close(db, db_ref, **TOL[dtype])
+    assert float(dw_ref.abs().max()) > 1.0
+
+
+@pytest.mark.parametrize("pool", [1, 2, 3])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pool_relu_and_its_gradient_equal_the_reference(pool, dtype):
+    N, C, n, h2, w2 = 6, 3, 3, 4, 3
+    wz = w2 * pool + 2  # garbage columns beyond the windows
+    z_row = (h2 * pool + 1) * wz
+    g = _gen(pool)
+    z = torch.randint(-12, 3, (N * C * z_row,), generator=g).to(dtype)  # integers: many ties, windows <= 0
+    z[5] = float("nan")  # a NaN wins its window, as in torch's max-pooling
+    # pooled output into [G, C, h2, w2, n] (group, channel, row, column, image: strided like the features)
+    strides = (C * h2 * w2 * n, 1, h2 * w2 * n, w2 * n, n)
+    outs, idxs = [], []
+    for ops in (NATIVE, REF):
+        out = torch.full((N * C * h2 * w2,), -5.0, dtype=dtype)
+        idx = torch.empty(N * C * h2 * w2, dtype=torch.int32)
+        ops.pool_relu(z, N, C, z_row, wz, h2, w2, pool, n, out, *strides, idx)
+        outs.append(out)
+        idxs.append(idx)
+    torch.testing.assert_close(outs[0], outs[1], equal_nan=True, rtol=0, atol=0)
+    assert torch.equal(idxs[0], idxs[1])
+    assert bool(torch.isnan(outs[0]).any()) and int((outs[0] == 0).sum()) > 0
+    da = torch.randn(N * C * h2 * w2, generator=g, dtype=dtype)
+    dzs = []
+    for ops in (NATIVE, REF):
+        dz = torch.zeros(N * C * z_row, dtype=dtype)
+        ops.pool_relu_backward(da, outs[0], N, C, h2, w2, n, *strides, idxs[0], dz, z_row)
+        dzs.append(dz)
+    assert torch.equal(dzs[0], dzs[1])
+    assert int((dzs[0] != 0).sum()) == int((outs[0] > 0).sum())  # one value per window whose output is > 0
