@@ -75,3 +75,32 @@ def test_pool_relu_and_its_gradient_equal_the_reference(pool, dtype):
         dzs.append(dz)
     assert torch.equal(dzs[0], dzs[1])
     assert int((dzs[0] != 0).sum()) == int((outs[0] > 0).sum())  # one value per window whose output is > 0
+
+
+def test_rows_read_in_place_only_before_finite_values():
+    """The first layer reads its rows in place only where the values after them (read, then
+    multiplied by zero gradients) are finite: a NaN after the rows would leak into the weight
+    gradient. Otherwise the rows are copied into a buffer with zeros after them."""
+    assert not cnn_native._has_slack(torch.zeros(5, 12))  # nothing after the rows
+    buf = cnn_native.rows_buffer(4, 10, torch.float32, "cpu")
+    assert cnn_native._has_slack(buf)
+    big = torch.zeros(4 * 10 + cnn_native._SLACK)
+    rows = big[:40].view(4, 10)
+    assert cnn_native._has_slack(rows)
+    big[40 + cnn_native._SLACK - 1] = float("nan")
+    assert not cnn_native._has_slack(rows)
+    big[40 + cnn_native._SLACK - 1] = float("inf")
+    assert not cnn_native._has_slack(rows)
+
+
+def test_kernel_size_beyond_the_slack_is_not_served():
+    """A wide output row reads kernel_size + 7 values past its plane: models whose kernels need
+    more than the slack take the grouped convolutions."""
+    from pflcore.backends import cnn_batched
+    from pflcore.models.nets import CNN
+    big = CNN(120 * 120, 4, image_shape=(1, 120, 120), channels=(2,), kernel_size=cnn_native._SLACK - 7, hidden=())
+    small = CNN()
+    assert cnn_native.supports(small) and not cnn_native.supports(big)
+    theta = big.initial(2, seed=0)
+    assert cnn_batched._native_ops(big, theta) is None
+    assert isinstance(cnn_batched._chunk(big, theta), cnn_batched.CNNChunk)

@@ -127,9 +127,11 @@ class CNNChunk(cnn_im2col.ChunkHead):
         self._saved = []
 
 
-def _native_ops(theta: torch.Tensor):
-    """cnn_native's kernels where they serve ``theta`` (CPU, float32/float64, built), else None."""
-    if CPU_PATH != "native" or theta.device.type != "cpu" or theta.dtype not in (torch.float32, torch.float64):
+def _native_ops(model: CNN, theta: torch.Tensor):
+    """cnn_native's kernels where they serve ``theta`` (CPU, float32/float64, built) and ``model``
+    (``cnn_native.supports``), else None."""
+    if (CPU_PATH != "native" or theta.device.type != "cpu" or theta.dtype not in (torch.float32, torch.float64)
+            or not cnn_native.supports(model)):
         return None
     return cnn_native.native_ops()
 
@@ -137,7 +139,7 @@ def _native_ops(theta: torch.Tensor):
 def _chunk(model: CNN, theta: torch.Tensor):
     """The chunk of the models ``theta [c, d]``: the native kernels on the CPU (``CPU_PATH``),
     else grouped convolutions on ``GROUPED_DEVICES``, else cnn_im2col's GEMMs."""
-    ops = _native_ops(theta)
+    ops = _native_ops(model, theta)
     if ops is not None:
         return cnn_native.CNNChunk(model, model.split(theta), ops)
     cls = CNNChunk if theta.device.type in GROUPED_DEVICES else cnn_im2col.CNNChunk
@@ -187,7 +189,7 @@ def local_steps_chunk(model: CNN, th: torch.Tensor, data, batch_idx: Optional[to
     g = torch.empty_like(th)
     shrink = 1.0 - lr * (model.l2 + prox)
 
-    native = _native_ops(th) is not None
+    native = _native_ops(model, th) is not None
 
     def gather(idx):
         flat = idx.reshape(-1)

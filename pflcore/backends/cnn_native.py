@@ -98,9 +98,20 @@ def rows_buffer(N: int, p: int, dtype: torch.dtype, device) -> torch.Tensor:
 
 
 def _has_slack(x: torch.Tensor) -> bool:
-    """Whether ``_SLACK`` elements after contiguous ``x`` are inside its storage (``rows_buffer``)."""
+    """Whether ``_SLACK`` finite elements follow contiguous ``x`` in its storage (``rows_buffer``'s
+    zeros, or further data rows). The kernels multiply what they read there by zero gradients
+    (the wide rows' garbage columns), so a NaN or inf there would leak into the weight gradient."""
     end = (x.storage_offset() + x.numel() + _SLACK) * x.element_size()
-    return x.is_contiguous() and x.untyped_storage().nbytes() >= end
+    if not (x.is_contiguous() and x.untyped_storage().nbytes() >= end):
+        return False
+    after = x.new_empty(0).set_(x.untyped_storage(), x.storage_offset() + x.numel(), (_SLACK,), (1,))
+    return bool(torch.isfinite(after).all())
+
+
+def supports(model: CNN) -> bool:
+    """Whether the wide layout serves ``model``: a wide output row's last vector reads up to
+    ``kernel_size + 7`` values past its plane, which the ``_SLACK`` zeros must cover."""
+    return model.kernel_size + 8 <= _SLACK
 
 
 # ---- the four operations: native, and the torch reference ---------------------------------------
