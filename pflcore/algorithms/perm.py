@@ -106,9 +106,16 @@ def water_filling_ref(costs: torch.Tensor, counts: torch.Tensor, lam_alpha: floa
 
 
 def _centred(G: torch.Tensor) -> torch.Tensor:
-    """``G`` in float64 minus its column means (the centring of ``pairwise_sqdist``)."""
-    Gc = G.to(torch.float64)
-    return Gc - Gc.mean(dim=0, keepdim=True)
+    """``G`` in float64 minus its column means (the centring of ``pairwise_sqdist``, the same
+    bits), in one new ``[m, d]`` buffer."""
+    Gc = G.to(torch.float64, copy=True)
+    return Gc.sub_(Gc.mean(dim=0, keepdim=True))
+
+
+def _row_sumsq(A: torch.Tensor, block: int = 256) -> torch.Tensor:
+    """``(A * A).sum(dim=1)`` (the same bits: each row's sum is the same reduction) in blocks of
+    rows, so that the squares never fill an ``[m, d]`` buffer."""
+    return torch.cat([(a * a).sum(dim=1) for a in A.split(block)]) if A.shape[0] else A.new_zeros(0)
 
 
 def _farthest_point_labels(Y: torch.Tensor, k: int) -> torch.Tensor:
@@ -171,11 +178,11 @@ def _screened_weights(G: torch.Tensor, sizes: torch.Tensor, lam_alpha: float, ro
         raise ValueError(f"sizes: expected shape [{m}] (one per row of G), got {list(sizes.shape)}")
     if not bool((sizes > 0).all()):
         raise ValueError("sizes: expected positive sample counts")
-    if not bool(torch.isfinite(G).all()):
+    if not math.isfinite(float(G.sum())) and not bool(torch.isfinite(G).all()):  # one cheap pass first
         raise ValueError("G: expected finite values")
     lam = positive(lam_alpha, "lam_alpha", "screened_weights")
     Gc = _centred(G)
-    sq = (Gc * Gc).sum(dim=1)
+    sq = _row_sumsq(Gc)
     first, stop = rows.start or 0, m if rows.stop is None else rows.stop
     k = max(1, min(int(clusters), m))
     gen = torch.Generator().manual_seed(0x5EED)
@@ -184,7 +191,8 @@ def _screened_weights(G: torch.Tensor, sizes: torch.Tensor, lam_alpha: float, ro
     k = int(labels.max()) + 1
     count = torch.bincount(labels, minlength=k).to(torch.float64)
     mu = torch.zeros(k, d, dtype=torch.float64, device=Gc.device).index_add_(0, labels, Gc) / count[:, None]
-    own = torch.linalg.vector_norm(Gc - mu[labels], dim=1)  # ‖g_j − μ_{a(j)}‖, direct sums
+    # ‖g_j − μ_{a(j)}‖, direct sums, in blocks of rows (no [m, d] temporaries)
+    own = torch.cat([torch.linalg.vector_norm(g - mu[lab], dim=1) for g, lab in zip(Gc.split(256), labels.split(256))])
     radius = torch.zeros(k, dtype=torch.float64, device=Gc.device).scatter_reduce_(0, labels, own, "amax")
     # ‖g_i − μ_b‖ for the rows asked, by the Gram formula; its rounding (≤ ~1e-13 relative to the
     # norms) is covered by the slack below, which only ever keeps more clusters
