@@ -27,7 +27,7 @@ import _harness  # noqa: E402
 import _suite  # noqa: E402
 
 OPS = ("local_steps", "gradients", "evaluate", "sample_batches", "kmeans_assign", "kmeans", "anderson", "average",
-       "water_fill", "small_calls", "reference_points")
+       "water_fill", "small_calls", "reference_points", "cnn_step")
 
 
 def pytest_addoption(parser):

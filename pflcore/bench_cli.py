@@ -21,7 +21,7 @@ import sys
 from typing import Dict, List, Optional
 
 OPS = ("local_steps", "gradients", "evaluate", "sample_batches", "kmeans_assign", "kmeans", "anderson", "average",
-       "water_fill", "small_calls", "reference_points")
+       "water_fill", "small_calls", "reference_points", "cnn_step")
 
 
 def add_parser(sub) -> None:
