@@ -47,8 +47,9 @@ def test_shifted_gemm_and_corr_equal_the_reference(R, Tn, P, dtype):
 
 
 @pytest.mark.parametrize("pool", [1, 2, 3])
+@pytest.mark.parametrize("front", [0, 5])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_pool_relu_and_its_gradient_equal_the_reference(pool, dtype):
+def test_pool_relu_and_its_gradient_equal_the_reference(pool, front, dtype):
     N, C, n, h2, w2 = 6, 3, 3, 4, 3
     wz = w2 * pool + 2  # garbage columns beyond the windows
     z_row = (h2 * pool + 1) * wz
@@ -70,10 +71,11 @@ def test_pool_relu_and_its_gradient_equal_the_reference(pool, dtype):
     da = torch.randn(N * C * h2 * w2, generator=g, dtype=dtype)
     dzs = []
     for ops in (NATIVE, REF):
-        dz = torch.zeros(N * C * z_row, dtype=dtype)
-        ops.pool_relu_backward(da, outs[0], N, C, h2, w2, n, *strides, idxs[0], dz, z_row)
+        dz = torch.full((N * C * (front + z_row),), float("nan"), dtype=dtype)  # every value overwritten
+        ops.pool_relu_backward(da, outs[0], N, C, h2, w2, n, *strides, idxs[0], dz, front + z_row, front)
         dzs.append(dz)
     assert torch.equal(dzs[0], dzs[1])
+    assert bool(dzs[0].view(N * C, -1)[:, :front].eq(0).all())
     assert int((dzs[0] != 0).sum()) == int((outs[0] > 0).sum())  # one value per window whose output is > 0
 
 

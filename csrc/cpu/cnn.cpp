@@ -178,6 +178,32 @@ void cnn_shifted_corr(const T* a, int64_t a_img, int64_t a_row, const T* src, in
   }
 }
 
+// One pooled plane: the first maximal input of each window in row-major order (a NaN wins), as
+// torch's, and its ReLU. Branch-free selects: the comparisons follow the data, so branches on them
+// mispredicted about once a window (~4x the time of the selects on the CIFAR net's first layer).
+// POOL > 0: the window size at compile time (the loops unroll); 0: the run-time `pool`.
+template <typename T, int POOL>
+inline void pool_plane(const T* zc, int64_t Wz, int64_t H2, int64_t W2, int64_t pool_rt, T* oc, int64_t s_y,
+                       int64_t s_x, int32_t* ic) {
+  const int64_t pool = POOL > 0 ? POOL : pool_rt;
+  for (int64_t y = 0; y < H2; ++y)
+    for (int64_t x = 0; x < W2; ++x) {
+      const int64_t q0 = (y * pool) * Wz + x * pool;
+      int64_t best = q0;
+      T m = zc[q0];
+      for (int64_t u = 0; u < pool; ++u)
+        for (int64_t v = 0; v < pool; ++v) {
+          const int64_t q = q0 + u * Wz + v;
+          const T val = zc[q];
+          const bool take = (val > m) | (val != val);
+          m = take ? val : m;
+          best = take ? q : best;
+        }
+      ic[y * W2 + x] = static_cast<int32_t>(best);
+      oc[y * s_y + x * s_x] = m > T(0) ? m : (m != m ? m : T(0));  // relu
+    }
+}
+
 template <typename T>
 void cnn_pool_relu(const T* z, int64_t N, int64_t C, int64_t z_row, int64_t Wz, int64_t H2, int64_t W2, int64_t pool,
                    int64_t n, T* out, int64_t out_group, int64_t out_img, int64_t s_c, int64_t s_y, int64_t s_x,
@@ -187,35 +213,25 @@ void cnn_pool_relu(const T* z, int64_t N, int64_t C, int64_t z_row, int64_t Wz, 
     for (int64_t c = 0; c < C; ++c) {
       const T* zc = z + (i * C + c) * z_row;
       int32_t* ic = idx + ((i * C + c) * H2) * W2;
-      for (int64_t y = 0; y < H2; ++y)
-        for (int64_t x = 0; x < W2; ++x) {
-          // the first maximal input of the window in row-major order (a NaN wins), as torch's
-          int64_t best = (y * pool) * Wz + x * pool;
-          T m = zc[best];
-          for (int64_t u = 0; u < pool; ++u)
-            for (int64_t v = 0; v < pool; ++v) {
-              const int64_t q = (y * pool + u) * Wz + x * pool + v;
-              const T val = zc[q];
-              if (val > m || val != val) {
-                m = val;
-                best = q;
-              }
-            }
-          ic[y * W2 + x] = static_cast<int32_t>(best);
-          oi[c * s_c + y * s_y + x * s_x] = m > T(0) ? m : (m != m ? m : T(0));  // relu
-        }
+      if (pool == 2) pool_plane<T, 2>(zc, Wz, H2, W2, 2, oi + c * s_c, s_y, s_x, ic);
+      else pool_plane<T, 0>(zc, Wz, H2, W2, pool, oi + c * s_c, s_y, s_x, ic);
     }
   }
 }
 
+// Every plane of dz (N·C planes of dz_row values from dz) is overwritten: zeros, but the gradient
+// at its windows' maxima (front + idx). Zeroing here, a plane at a time while it is in L1, instead
+// of a zero-filled buffer from the caller: the buffers are a few MB (past L2), written twice before.
 template <typename T>
 void cnn_pool_relu_backward(const T* da, const T* h, int64_t N, int64_t C, int64_t H2, int64_t W2, int64_t n,
                             int64_t in_group, int64_t in_img, int64_t s_c, int64_t s_y, int64_t s_x,
-                            const int32_t* idx, T* dz, int64_t dz_row) {
+                            const int32_t* idx, T* dz, int64_t dz_row, int64_t front) {
   for (int64_t i = 0; i < N; ++i) {
     const int64_t base = (i / n) * in_group + (i % n) * in_img;
     for (int64_t c = 0; c < C; ++c) {
-      T* dc = dz + (i * C + c) * dz_row;
+      T* plane = dz + (i * C + c) * dz_row;
+      std::memset(plane, 0, sizeof(T) * dz_row);
+      T* dc = plane + front;
       const int32_t* ic = idx + ((i * C + c) * H2) * W2;
       for (int64_t y = 0; y < H2; ++y)
         for (int64_t x = 0; x < W2; ++x) {
@@ -236,7 +252,7 @@ PFLCORE_LEVEL_END
   template void cnn_pool_relu<T>(const T*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,    \
                                  T*, int64_t, int64_t, int64_t, int64_t, int64_t, int32_t*);                          \
   template void cnn_pool_relu_backward<T>(const T*, const T*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,   \
-                                          int64_t, int64_t, int64_t, int64_t, const int32_t*, T*, int64_t);
+                                          int64_t, int64_t, int64_t, int64_t, const int32_t*, T*, int64_t, int64_t);
 PFLCORE_LEVEL_BEGIN
 PFLCORE_CNN_INSTANTIATE(float)
 PFLCORE_CNN_INSTANTIATE(double)

@@ -62,7 +62,7 @@ using CnnPoolFn = void (*)(const T*, int64_t, int64_t, int64_t, int64_t, int64_t
                            int64_t, int64_t, int64_t, int64_t, int64_t, int32_t*);
 template <typename T>
 using CnnPoolBackFn = void (*)(const T*, const T*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                               int64_t, int64_t, int64_t, const int32_t*, T*, int64_t);
+                               int64_t, int64_t, int64_t, const int32_t*, T*, int64_t, int64_t);
 
 struct KernelTable {
   const char* level;  // "baseline", "avx2", "avx512" or "native"

@@ -136,9 +136,9 @@ class NativeOps:
         self.core.cnn_pool_relu(z.dtype is torch.float64, z.data_ptr(), N, C, z_row, wz, h2, w2, pool, n,
                                 out.data_ptr(), out_group, out_img, s_c, s_y, s_x, idx.data_ptr())
 
-    def pool_relu_backward(self, da, h, N, C, h2, w2, n, in_group, in_img, s_c, s_y, s_x, idx, dz, dz_row):
+    def pool_relu_backward(self, da, h, N, C, h2, w2, n, in_group, in_img, s_c, s_y, s_x, idx, dz, dz_row, front):
         self.core.cnn_pool_relu_backward(da.dtype is torch.float64, da.data_ptr(), h.data_ptr(), N, C, h2, w2, n,
-                                         in_group, in_img, s_c, s_y, s_x, idx.data_ptr(), dz.data_ptr(), dz_row)
+                                         in_group, in_img, s_c, s_y, s_x, idx.data_ptr(), dz.data_ptr(), dz_row, front)
 
 
 class TorchOps:
@@ -171,11 +171,11 @@ class TorchOps:
         out.as_strided((N // n, n, C, h2, w2), (out_group, out_img, s_c, s_y, s_x)).copy_(
             m.relu().view(N // n, n, C, h2, w2))
 
-    def pool_relu_backward(self, da, h, N, C, h2, w2, n, in_group, in_img, s_c, s_y, s_x, idx, dz, dz_row):
+    def pool_relu_backward(self, da, h, N, C, h2, w2, n, in_group, in_img, s_c, s_y, s_x, idx, dz, dz_row, front):
         shape, strides = (N // n, n, C, h2, w2), (in_group, in_img, s_c, s_y, s_x)
         hv, dav = h.as_strided(shape, strides).reshape(N, C, -1), da.as_strided(shape, strides).reshape(N, C, -1)
-        # each plane's values up to where the last plane's end allows (the maxima lie before)
-        dzv = dz.as_strided((N, C, min(dz_row, dz.numel() - (N * C - 1) * dz_row)), (C * dz_row, dz_row, 1))
+        dz[:N * C * dz_row].zero_()
+        dzv = dz[front:N * C * dz_row].as_strided((N, C, dz_row - front), (C * dz_row, dz_row, 1))
         at = idx.view(N, C, -1).long()
         dzv.scatter_(2, at, torch.where(hv > 0, dav, dzv.gather(2, at)))
 
@@ -266,8 +266,8 @@ class CNNChunk(cnn_im2col.ChunkHead):
         for j in range(nconv - 1, -1, -1):
             g = self.geo[j]
             a, idx, h, st = self._saved[j]
-            dz = x.new_zeros(N * g.cout * g.dz_row)  # [N, Cout, F + L]: zeros but at the maxima
-            ops.pool_relu_backward(da, h, N, g.cout, g.h2, g.w2, n, *st, idx, dz[g.front:], g.dz_row)
+            dz = x.new_empty(N * g.cout * g.dz_row)  # [N, Cout, F + L]: zeros but at the maxima
+            ops.pool_relu_backward(da, h, N, g.cout, g.h2, g.w2, n, *st, idx, dz, g.dz_row, g.front)
             dW = x.new_empty(c, g.cout, g.cin * self.model.kernel_size ** 2)
             db = x.new_empty(c, g.cout)
             ops.shifted_corr(dz[g.front:], g.cout * g.dz_row, g.dz_row, a, g.cin * g.L, g.off_f, c, n, g.cout, g.lz,

@@ -132,12 +132,12 @@ template <typename T>
 void cnn_pool_relu(const T* z, int64_t N, int64_t C, int64_t z_row, int64_t Wz, int64_t H2, int64_t W2,
                    int64_t pool, int64_t n, T* out, int64_t out_group, int64_t out_img, int64_t s_c, int64_t s_y,
                    int64_t s_x, int32_t* idx);
-// Its gradient: dz[i·C·dz_row + c·dz_row + idx] = da[same place as h] where h > 0; dz's other
-// values are left as they are (the caller zeroes them).
+// Its gradient: each of the N·C planes of dz_row values from dz is overwritten with zeros but
+// dz[i·C·dz_row + c·dz_row + front + idx] = da[same place as h] where h > 0.
 template <typename T>
 void cnn_pool_relu_backward(const T* da, const T* h, int64_t N, int64_t C, int64_t H2, int64_t W2, int64_t n,
                             int64_t in_group, int64_t in_img, int64_t s_c, int64_t s_y, int64_t s_x,
-                            const int32_t* idx, T* dz, int64_t dz_row);
+                            const int32_t* idx, T* dz, int64_t dz_row, int64_t front);
 
 // PERM's water-filling (csrc/cpu/water_fill.cpp): alpha[i, j] = w[j]·max(0, τ_i − costs[i, j]), the
 // level τ_i such that the row sums to 1. Checks w (finite, > 0) and each row of costs (finite).
