@@ -348,6 +348,19 @@ PYBIND11_MODULE(_core, m) {
     else k.cnn_shifted_gemm.f32(as<const float>(src), src_img, as<const int64_t>(off), Tn, as<const float>(w),
                                 as<const float>(bias), G, n, R, P, as<float>(out), out_img, out_row);
   });
+  m.def("cnn_input_grad", [](bool f64, ptr_t dz, int64_t dz_img, int64_t dz_row, ptr_t wt, int64_t G, int64_t n,
+                             int64_t Cout, int64_t Cin, int64_t k, int64_t Wp, int64_t P, int64_t Qv, ptr_t dx,
+                             int64_t dx_img, int64_t dx_row) {
+    require(P % 8 == 0 && P <= dz_row && Cout >= 1 && k >= 1 && G >= 0 && n >= 0 && Cin >= 0 && Qv >= 0 && Qv <= P &&
+                Qv + (k - 1) * (Wp + 1) <= dx_row,
+            "cnn_input_grad", "expected P % 8 == 0, P <= dz_row, Qv <= P, Qv + (k - 1)(Wp + 1) <= dx_row");
+    py::gil_scoped_release nogil;
+    const cpu::KernelTable& kt = cpu::active();
+    if (f64) kt.cnn_input_grad.f64(as<const double>(dz), dz_img, dz_row, as<const double>(wt), G, n, Cout, Cin, k, Wp,
+                                   P, Qv, as<double>(dx), dx_img, dx_row);
+    else kt.cnn_input_grad.f32(as<const float>(dz), dz_img, dz_row, as<const float>(wt), G, n, Cout, Cin, k, Wp, P, Qv,
+                               as<float>(dx), dx_img, dx_row);
+  });
   m.def("cnn_shifted_corr", [](bool f64, ptr_t a, int64_t a_img, int64_t a_row, ptr_t src, int64_t src_img, ptr_t off,
                                int64_t Tn, int64_t G, int64_t n, int64_t R, int64_t P, ptr_t dw, ptr_t db) {
     require(P % 8 == 0 && Tn >= 1 && G >= 0 && n >= 0 && R >= 0, "cnn_shifted_corr", "expected P % 8 == 0, Tn >= 1");

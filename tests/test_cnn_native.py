@@ -46,6 +46,39 @@ def test_shifted_gemm_and_corr_equal_the_reference(R, Tn, P, dtype):
     assert float(dw_ref.abs().max()) > 1.0
 
 
+@pytest.mark.parametrize("cout, cin, k, ho, wo", [(1, 1, 1, 3, 5), (3, 2, 3, 4, 6), (5, 3, 5, 7, 9), (16, 6, 5, 10, 10),
+                                                 (7, 4, 2, 5, 11)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_input_grad_equals_the_reference(cout, cin, k, ho, wo, dtype):
+    """The scatter-form input gradient: tap-row remainders (k² not a multiple of 4), Cout as the
+    GEMM's taps (any count), positions not a multiple of 3 vectors, planes with gaps."""
+    G, n = 2, 3
+    wp = wo + k - 1
+    P = -(-ho * wp // 8) * 8
+    qv = (ho - 1) * wp + wo
+    dz_row, dx_row = P + 3, (ho + k - 1) * wp + 5  # wider than needed: every value of dx's plane is written
+    g = _gen(cout * 100 + k)
+    dz = torch.randn(G * n * cout * dz_row, generator=g, dtype=dtype)
+    planes = dz.view(G * n * cout, dz_row)
+    planes[:, :ho * wp].view(-1, ho, wp)[..., wo:] = 0  # the garbage columns (zero, as pool_relu_backward writes)
+    planes[:, ho * wp:P] = 0
+    wt = torch.randn(G, cin * k * k, cout, generator=g, dtype=dtype)
+    dx_img = cin * dx_row + 4  # gaps between images stay as they are
+    got = torch.full((G * n * dx_img,), 7.0, dtype=dtype)
+    want = got.clone()
+    NATIVE.input_grad(dz, cout * dz_row, dz_row, wt, G, n, cout, cin, k, wp, P, qv, got, dx_img, dx_row)
+    REF.input_grad(dz, cout * dz_row, dz_row, wt, G, n, cout, cin, k, wp, P, qv, want, dx_img, dx_row)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    assert int((got == 7.0).sum()) == G * n * 4
+    # against torch's own transposed convolution on the valid columns
+    dzv = dz.view(G * n, cout, dz_row)[:, :, :ho * wp].reshape(G * n, cout, ho, wp)[..., :wo]
+    W = wt.view(G, cin, k, k, cout).permute(0, 4, 1, 2, 3)  # [G, Cout, Cin, k, k]
+    for gi in range(G):
+        ref = torch.nn.functional.conv_transpose2d(dzv[gi * n:(gi + 1) * n], W[gi])  # [n, Cin, ho + k − 1, wp]
+        mine = got.view(G * n, dx_img)[gi * n:(gi + 1) * n, :cin * dx_row].view(n, cin, dx_row)
+        torch.testing.assert_close(mine[..., :(ho + k - 1) * wp].reshape(ref.shape), ref, **TOL[dtype])
+
+
 @pytest.mark.parametrize("pool", [1, 2, 3])
 @pytest.mark.parametrize("front", [0, 5])
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -23,6 +23,7 @@
 // caller runs one chunk of models per thread, so the bits do not depend on the thread count.
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #include "pflcore/ops_cpu.h"
 
@@ -153,6 +154,48 @@ void cnn_shifted_gemm(const T* src, int64_t src_img, const int64_t* off, int64_t
   }
 }
 
+// The input gradient in scatter form: for each image and input channel ci,
+//   cols[t][q] = Σ_co wt[g][ci][t][co] · dz[i][co][q]       (a shifted GEMM whose taps are the Cout planes)
+//   dx[i][ci][q + i_t·Wp + j_t] += cols[t][q]               (t = (i_t, j_t), q < Qv: col2im)
+// cols (k²·P values) stays in L1/L2 between the two. The gather form (a full correlation of the
+// front-padded dz with the flipped kernel) multiplied zeros for the taps that reach past dz's
+// borders: twice the work on the CIFAR net's 10x10 second layer. The tap loop is outside the
+// position loop in col2im, so no load reads a vector that the store before it partly wrote.
+template <typename T>
+void cnn_input_grad(const T* dz, int64_t dz_img, int64_t dz_row, const T* wt, int64_t G, int64_t n, int64_t Cout,
+                    int64_t Cin, int64_t k, int64_t Wp, int64_t P, int64_t Qv, T* dx, int64_t dx_img, int64_t dx_row) {
+  constexpr int L = Vec<T>::lanes;
+  const int64_t K2 = k * k;
+  std::vector<int64_t> off(Cout);  // the taps of the GEMM: the output-gradient planes
+  for (int64_t co = 0; co < Cout; ++co) off[co] = co * dz_row;
+  std::vector<T> cols(K2 * P);
+  const int64_t Qvec = Qv - Qv % L;
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t i = g * n; i < (g + 1) * n; ++i) {
+      const T* s = dz + i * dz_img;
+      for (int64_t ci = 0; ci < Cin; ++ci) {
+        const T* w = wt + (g * Cin + ci) * K2 * Cout;  // [k², Cout]
+        int64_t r = 0;
+        for (; r + 4 <= K2; r += 4) gemm_rows<T, 4>(s, off.data(), Cout, w + r * Cout, nullptr, P, cols.data() + r * P, P);
+        switch (K2 - r) {
+          case 3: gemm_rows<T, 3>(s, off.data(), Cout, w + r * Cout, nullptr, P, cols.data() + r * P, P); break;
+          case 2: gemm_rows<T, 2>(s, off.data(), Cout, w + r * Cout, nullptr, P, cols.data() + r * P, P); break;
+          case 1: gemm_rows<T, 1>(s, off.data(), Cout, w + r * Cout, nullptr, P, cols.data() + r * P, P); break;
+          default: break;
+        }
+        T* d = dx + i * dx_img + ci * dx_row;
+        std::memset(d, 0, sizeof(T) * dx_row);
+        for (int64_t t = 0; t < K2; ++t) {
+          T* dt = d + (t / k) * Wp + t % k;
+          const T* ct = cols.data() + t * P;
+          int64_t q = 0;
+          for (; q < Qvec; q += L) Vec<T>::store(dt + q, Vec<T>::load(dt + q) + Vec<T>::load(ct + q));
+          for (; q < Qv; ++q) dt[q] += ct[q];
+        }
+      }
+    }
+}
+
 template <typename T>
 void cnn_shifted_corr(const T* a, int64_t a_img, int64_t a_row, const T* src, int64_t src_img, const int64_t* off,
                       int64_t Tn, int64_t G, int64_t n, int64_t R, int64_t P, T* dw, T* db) {
@@ -236,7 +279,9 @@ void cnn_pool_relu_backward(const T* da, const T* h, int64_t N, int64_t C, int64
       for (int64_t y = 0; y < H2; ++y)
         for (int64_t x = 0; x < W2; ++x) {
           const int64_t o = base + c * s_c + y * s_y + x * s_x;
-          if (h[o] > T(0)) dc[ic[y * W2 + x]] = da[o];  // the ReLU's gradient, to the window's maximum
+          // the ReLU's gradient, to the window's maximum (windows do not overlap: a store of 0
+          // where h <= 0 keeps the zero, without a branch on the data)
+          dc[ic[y * W2 + x]] = h[o] > T(0) ? da[o] : T(0);
         }
     }
   }
@@ -247,6 +292,8 @@ PFLCORE_LEVEL_END
 #define PFLCORE_CNN_INSTANTIATE(T)                                                                                    \
   template void cnn_shifted_gemm<T>(const T*, int64_t, const int64_t*, int64_t, const T*, const T*, int64_t, int64_t, \
                                     int64_t, int64_t, T*, int64_t, int64_t);                                          \
+  template void cnn_input_grad<T>(const T*, int64_t, int64_t, const T*, int64_t, int64_t, int64_t, int64_t, int64_t,   \
+                                  int64_t, int64_t, int64_t, T*, int64_t, int64_t);                                   \
   template void cnn_shifted_corr<T>(const T*, int64_t, int64_t, const T*, int64_t, const int64_t*, int64_t, int64_t,  \
                                     int64_t, int64_t, int64_t, T*, T*);                                               \
   template void cnn_pool_relu<T>(const T*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,    \

@@ -55,6 +55,9 @@ template <typename T>
 using CnnGemmFn = void (*)(const T*, int64_t, const int64_t*, int64_t, const T*, const T*, int64_t, int64_t, int64_t,
                            int64_t, T*, int64_t, int64_t);
 template <typename T>
+using CnnInputGradFn = void (*)(const T*, int64_t, int64_t, const T*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                int64_t, int64_t, int64_t, T*, int64_t, int64_t);
+template <typename T>
 using CnnCorrFn = void (*)(const T*, int64_t, int64_t, const T*, int64_t, const int64_t*, int64_t, int64_t, int64_t,
                            int64_t, int64_t, T*, T*);
 template <typename T>
@@ -78,6 +81,7 @@ struct KernelTable {
   Typed<AverageFn> average;
   Typed<ClipAndSumFn> clip_and_sum;
   Typed<CnnGemmFn> cnn_shifted_gemm;
+  Typed<CnnInputGradFn> cnn_input_grad;
   Typed<CnnCorrFn> cnn_shifted_corr;
   Typed<CnnPoolFn> cnn_pool_relu;
   Typed<CnnPoolBackFn> cnn_pool_relu_backward;

@@ -20,6 +20,7 @@ const KernelTable& level_table() {
     t.average = {average<float>, average<double>};
     t.clip_and_sum = {clip_and_sum<float>, clip_and_sum<double>};
     t.cnn_shifted_gemm = {cnn_shifted_gemm<float>, cnn_shifted_gemm<double>};
+    t.cnn_input_grad = {cnn_input_grad<float>, cnn_input_grad<double>};
     t.cnn_shifted_corr = {cnn_shifted_corr<float>, cnn_shifted_corr<double>};
     t.cnn_pool_relu = {cnn_pool_relu<float>, cnn_pool_relu<double>};
     t.cnn_pool_relu_backward = {cnn_pool_relu_backward<float>, cnn_pool_relu_backward<double>};

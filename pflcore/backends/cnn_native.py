@@ -21,13 +21,16 @@ Layout (N = c·n images, image i = g·n + r is row r of model g):
   next layer's input planes in place, or, after the last conv layer, the flattened features
   ``[c, C·H·W, n]`` (the module's flatten order, rows last) of ``cnn_im2col.ChunkHead``'s dense
   layers.
-* Backward: the pooled gradient goes into ``dz [N, Cout, F + L]`` (zeros elsewhere, F zeros in
-  front of each plane so that the input gradient's negative tap offsets stay inside it); the
-  weight gradient is ``shifted_corr(dz, input)``; the input gradient (not for the first layer:
-  the rows are data) is ``shifted_gemm`` of dz with the transposed weights, in the input's
-  ``[N, Cin, L]`` layout, where the previous layer's pooling gradient reads it.
+* Backward: the pooled gradient goes into ``dz [N, Cout, Lz]`` (zeros elsewhere, the garbage
+  columns included); the weight gradient is ``shifted_corr(dz, input)``; the input gradient
+  (not for the first layer: the rows are data) is ``input_grad``: per input channel, the k²
+  tap planes ``Σ_co W[co, ci, tap]·dz[co]`` (a shifted GEMM over the Cout planes) added back
+  onto the pixels each tap read (col2im), in the input's ``[N, Cin, L]`` layout, where the
+  previous layer's pooling gradient reads it. (The gather form, a full correlation of a
+  zero-padded dz, multiplied zeros for every tap reaching past dz's borders: 2x the work on the
+  CIFAR net's 10x10 second layer.)
 
-``TorchOps`` is the same four operations in torch (the reference the tests check the kernels
+``TorchOps`` is the same five operations in torch (the reference the tests check the kernels
 against; also a chunk that runs anywhere, slowly). Determinism: a chunk runs on one thread and the
 kernels sum in a fixed order, so the bits do not depend on the thread count.
 """
@@ -61,13 +64,8 @@ class Layer(NamedTuple):
     lz: int      # output plane stride (and the positions computed)
     h2: int      # pooled rows and columns
     w2: int
-    front: int   # zeros in front of each output-gradient plane (0 for the first layer)
+    qv: int      # positions up to the last valid output, (ho − 1)·Wp + Wo: what col2im adds back
     off_f: torch.Tensor  # int64 [Cin·k·k] forward tap offsets (ci, i, j): ci·L + i·Wp + j
-    off_i: torch.Tensor  # int64 [Cout·k·k] input-gradient tap offsets (co, i, j): co·dz_row + F − i·Wp − j
-
-    @property
-    def dz_row(self) -> int:
-        return self.front + self.L
 
 
 @functools.lru_cache(maxsize=64)
@@ -80,11 +78,9 @@ def layers(model: CNN) -> List[Layer]:
         hp, wp = H + 2 * pad, W + 2 * pad
         L = hp * wp if (j == 0 and pad == 0) else _up8(hp * wp)  # raw data rows in the first layer
         ho, wo = hp - k + 1, wp - k + 1
-        front = _up8((k - 1) * (wp + 1)) if j > 0 else 0
         taps = torch.tensor([i * wp + jj for i in range(k) for jj in range(k)], dtype=torch.int64)
         off_f = (torch.arange(cin, dtype=torch.int64)[:, None] * L + taps).reshape(-1)
-        off_i = (torch.arange(cout, dtype=torch.int64)[:, None] * (front + L) + front - taps).reshape(-1)
-        out.append(Layer(cin, cout, pad, wp, L, ho, _up8(ho * wp), ho // pool, wo // pool, front, off_f, off_i))
+        out.append(Layer(cin, cout, pad, wp, L, ho, _up8(ho * wp), ho // pool, wo // pool, (ho - 1) * wp + wo, off_f))
         cin, H, W = cout, ho // pool, wo // pool
     return out
 
@@ -114,7 +110,7 @@ def supports(model: CNN) -> bool:
     return model.kernel_size + 8 <= _SLACK
 
 
-# ---- the four operations: native, and the torch reference ---------------------------------------
+# ---- the five operations: native, and the torch reference ---------------------------------------
 # Every buffer argument is a flat 1-D tensor whose first element is where the C++ pointer points.
 
 class NativeOps:
@@ -127,6 +123,10 @@ class NativeOps:
         self.core.cnn_shifted_gemm(src.dtype is torch.float64, src.data_ptr(), src_img, off.data_ptr(), off.numel(),
                                    w.data_ptr(), 0 if bias is None else bias.data_ptr(), G, n, R, P, out.data_ptr(),
                                    out_img, out_row)
+
+    def input_grad(self, dz, dz_img, dz_row, wt, G, n, cout, cin, k, wp, P, qv, dx, dx_img, dx_row):
+        self.core.cnn_input_grad(dz.dtype is torch.float64, dz.data_ptr(), dz_img, dz_row, wt.data_ptr(), G, n, cout,
+                                 cin, k, wp, P, qv, dx.data_ptr(), dx_img, dx_row)
 
     def shifted_corr(self, a, a_img, a_row, src, src_img, off, G, n, R, P, dw, db):
         self.core.cnn_shifted_corr(a.dtype is torch.float64, a.data_ptr(), a_img, a_row, src.data_ptr(), src_img,
@@ -155,6 +155,15 @@ class TorchOps:
         if bias is not None:
             res = res + bias.view(G, 1, R, 1)
         out.as_strided((G * n, R, P), (out_img, out_row, 1)).copy_(res.reshape(G * n, R, P))
+
+    def input_grad(self, dz, dz_img, dz_row, wt, G, n, cout, cin, k, wp, P, qv, dx, dx_img, dx_row):
+        dzv = dz.as_strided((G, n, cout, P), (n * dz_img, dz_img, dz_row, 1))
+        cols = torch.einsum("gtc,gncp->gntp", wt.view(G, cin * k * k, cout), dzv).reshape(G * n, cin, k * k, P)
+        acc = cols.new_zeros(G * n, cin, dx_row)
+        for t in range(k * k):  # col2im: each tap's values back onto the pixels it read
+            o = (t // k) * wp + t % k
+            acc[:, :, o:o + qv] += cols[:, :, t, :qv]
+        dx.as_strided((G * n, cin, dx_row), (dx_img, dx_row, 1)).copy_(acc)
 
     def shifted_corr(self, a, a_img, a_row, src, src_img, off, G, n, R, P, dw, db):
         av = a.as_strided((G, n, R, P), (n * a_img, a_img, a_row, 1))
@@ -200,11 +209,10 @@ class CNNChunk(cnn_im2col.ChunkHead):
         self.ops = ops
         self.geo = layers(model)
         self.c = params[self.names[0]].shape[0]
-        self.conv = []  # (W [c, Cout, Cin·k·k], b [c, Cout], Wt [c, Cin, Cout·k·k]): contiguous copies
-        k2 = model.kernel_size ** 2
+        self.conv = []  # (W [c, Cout, Cin·k·k], b [c, Cout], Wt [c, Cin·k·k, Cout]): contiguous copies
         for j, g in enumerate(self.geo):
             W, b = params[self.names[2 * j]], params[self.names[2 * j + 1]]
-            Wt = W.transpose(1, 2).reshape(self.c, g.cin, g.cout * k2).contiguous() if j > 0 else None
+            Wt = W.permute(0, 2, 3, 4, 1).reshape(self.c, -1, g.cout).contiguous() if j > 0 else None
             self.conv.append((W.reshape(self.c, g.cout, -1).contiguous(), b.contiguous(), Wt))
 
     def _first_input(self, x: torch.Tensor) -> torch.Tensor:
@@ -266,17 +274,17 @@ class CNNChunk(cnn_im2col.ChunkHead):
         for j in range(nconv - 1, -1, -1):
             g = self.geo[j]
             a, idx, h, st = self._saved[j]
-            dz = x.new_empty(N * g.cout * g.dz_row)  # [N, Cout, F + L]: zeros but at the maxima
-            ops.pool_relu_backward(da, h, N, g.cout, g.h2, g.w2, n, *st, idx, dz, g.dz_row, g.front)
+            dz = x.new_empty(N * g.cout * g.lz)  # [N, Cout, Lz]: zeros but at the maxima
+            ops.pool_relu_backward(da, h, N, g.cout, g.h2, g.w2, n, *st, idx, dz, g.lz, 0)
             dW = x.new_empty(c, g.cout, g.cin * self.model.kernel_size ** 2)
             db = x.new_empty(c, g.cout)
-            ops.shifted_corr(dz[g.front:], g.cout * g.dz_row, g.dz_row, a, g.cin * g.L, g.off_f, c, n, g.cout, g.lz,
+            ops.shifted_corr(dz, g.cout * g.lz, g.lz, a, g.cin * g.L, g.off_f, c, n, g.cout, g.lz,
                              dW, db)
             out[names[2 * j]].copy_(dW.view(out[names[2 * j]].shape))
             out[names[2 * j + 1]].copy_(db)
             if j > 0:  # the input gradient, in the layout of this layer's input (= the pooled output of j − 1)
                 dnext = x.new_empty(N * g.cin * g.L)
-                ops.shifted_gemm(dz, g.cout * g.dz_row, g.off_i, self.conv[j][2], None, c, n, g.cin, g.L, dnext,
-                                 g.cin * g.L, g.L)
+                ops.input_grad(dz, g.cout * g.lz, g.lz, self.conv[j][2], c, n, g.cout, g.cin, self.model.kernel_size,
+                               g.wp, g.lz, g.qv, dnext, g.cin * g.L, g.L)
                 da = dnext[g.pad * g.wp + g.pad:]
         self._saved = []

@@ -119,6 +119,14 @@ template <typename T>
 void cnn_shifted_gemm(const T* src, int64_t src_img, const int64_t* off /*[Tn]*/, int64_t Tn,
                       const T* w /*[G, R, Tn]*/, const T* bias /*[G, R]*/, int64_t G, int64_t n, int64_t R,
                       int64_t P, T* out /*out[i·out_img + r·out_row + q]*/, int64_t out_img, int64_t out_row);
+// The input gradient (scatter form; dz's columns x >= Wo must be zero): planes of dx_row values,
+//   dx[i][ci][q + a·Wp + b] = Σ_{(a, b), q < Qv} Σ_co wt[g][ci][a·k + b][co] · dz[i·dz_img + co·dz_row + q]
+// P (a multiple of 8, <= dz_row) positions are read from each dz plane; Qv <= P and
+// Qv + (k − 1)·(Wp + 1) <= dx_row (every write inside the plane; values after it set to 0).
+template <typename T>
+void cnn_input_grad(const T* dz, int64_t dz_img, int64_t dz_row, const T* wt /*[G, Cin, k·k, Cout]*/, int64_t G,
+                    int64_t n, int64_t Cout, int64_t Cin, int64_t k, int64_t Wp, int64_t P, int64_t Qv, T* dx,
+                    int64_t dx_img, int64_t dx_row);
 //   dw[g][r][t] = Σ_{i in g} Σ_{q<P} a[i·a_img + r·a_row + q] · src[i·src_img + q + off[t]];
 //   db[g][r] = Σ_{i in g} Σ_{q<P} a[i·a_img + r·a_row + q]                              (db may be null)
 template <typename T>
