@@ -7,12 +7,13 @@
 // of Wp values (Wp: the padded input width) in one flat run. An output position q = y·Wp + x of
 // a k×k convolution reads the input at q + i·Wp + j (tap (i, j)), so, over the flat runs, a
 // convolution is a GEMM whose right-hand matrix's rows are shifted views of the same input:
-//   out[r][q] = Σ_t w[r][t] · src[q + off[t]]          (shifted_gemm: forward, input gradient)
+//   out[r][q] = Σ_t w[r][t] · src[q + off[t]]          (shifted_gemm: forward)
 //   dw[r][t]  = Σ_q a[r][q] · src[q + off[t]]          (shifted_corr: weight gradient)
 // with one offset per tap t. Columns x >= Wo of an output row are garbage (they wrap into the
 // next input row): never read by the pooling, and zero in every gradient, so they add nothing
-// to dw. The input gradient is shifted_gemm on the output gradient with transposed weights and
-// negative tap offsets (the caller pads each gradient plane in front with zeros).
+// to dw. The input gradient (cnn_input_grad) is the scatter form: the same GEMM with the Cout
+// gradient planes as its taps gives, per input channel, each tap's contribution, added back onto
+// the pixels the tap read (col2im).
 //
 // Register blocks: shifted_gemm keeps RB output rows × VB vectors of positions in registers
 // (4 × 3 at most: 12 of AVX2's 16 registers), shifted_corr RB gradient rows × TB taps (3 × 4);
