@@ -45,7 +45,7 @@ def test_each_adapter_serves_the_ops_it_defines():
         assert a.ops() <= ref, name
     assert {"local_steps", "gradients", "evaluate", "hvp", "sample_batches", "kmeans_assign", "kmeans_update",
             "kmeans_lloyd", "anderson_push", "anderson_mix", "gram", "anderson_solve", "average", "clip_and_sum",
-            "dp_normals", "water_fill"} == set(ref)
+            "dp_normals", "water_fill", "water_fill_gram"} == set(ref)
     assert backend.ADAPTERS["native"].ops() == ref - {"hvp"}
     assert backend.ADAPTERS["nets"].ops() == {"local_steps", "gradients", "evaluate", "hvp"}
 

@@ -110,6 +110,65 @@ def test_water_fill_kernel_refuses_bad_values_by_row():
         native.water_fill(torch.rand(4, 6, dtype=torch.float64), w)
 
 
+def _gram_cases():
+    """(gram, sq_r, sq_c, own, w, rows, cols, stride) blocks: odd shapes, a row block of a
+    symmetric Gram matrix, columns scattered over a wider output, one column, ties."""
+    g = torch.Generator().manual_seed(21)
+    cases = []
+    for r, k, d, stride in [(1, 1, 3, 1), (3, 5, 2, 9), (17, 33, 7, 40), (70, 257, 13, 300)]:
+        Y = torch.randn(k, d, generator=g, dtype=torch.float64)
+        rows_of_Y = torch.randperm(k, generator=g)[:r].sort().values  # the rows are some of the columns
+        if k > 3:
+            Y[1] = Y[2]  # two identical clients: tied costs
+        sq = (Y * Y).sum(1)
+        cols = torch.randperm(stride, generator=g)[:k].sort().values
+        w = torch.randint(1, 300, (k,), generator=g).double() / 7.0
+        out_rows = torch.randperm(r + 2, generator=g)[:r]
+        cases.append((Y[rows_of_Y] @ Y.T, sq[rows_of_Y], sq, rows_of_Y, w, out_rows, cols, stride))
+    return cases
+
+
+@pytest.mark.usefixtures("cpu_level")  # once per CPU capability level this CPU runs
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_water_fill_gram_equals_the_reference(dtype):
+    """The fused kernel (costs from a Gram block, water-filling, α scattered into the output
+    rows) against the reference: the same α to rounding, entries outside the block untouched,
+    the levels τ_i = α_{i,own}/w_own."""
+    from pflcore import backend
+    native, ref = backend.ADAPTERS["native"], backend.ADAPTERS["reference"]
+    for gram, sq_r, sq_c, own, w, out_rows, cols, stride in _gram_cases():
+        gram = gram.to(dtype)
+        outs = []
+        for a in (native, ref):
+            out = torch.full((out_rows.numel() + 2, stride), -7.0, dtype=torch.float64)
+            levels = a.water_fill_gram(gram, sq_r, sq_c, own, w, out, out_rows, cols)
+            outs.append((out, levels))
+        (got, tau), (want, tau_ref) = outs
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(tau, tau_ref, rtol=1e-12, atol=1e-14)
+        block = got[out_rows][:, cols]
+        assert torch.equal(block > 1e-12, want[out_rows][:, cols] > 1e-12)
+        torch.testing.assert_close(block.sum(1), torch.ones(len(out_rows), dtype=torch.float64), rtol=0, atol=1e-12)
+        mask = torch.ones_like(got, dtype=torch.bool)
+        mask[out_rows[:, None], cols[None, :]] = False
+        assert bool((got[mask] == -7.0).all()), "entries outside the block were written"
+        at = torch.arange(len(out_rows))
+        torch.testing.assert_close(tau, block[at, own] / w[own], rtol=1e-12, atol=0)
+
+
+def test_water_fill_gram_refuses_non_finite_costs():
+    from pflcore import backend
+    from pflcore.errors import NonFiniteError
+    gram, sq_r, sq_c, own, w, out_rows, cols, stride = _gram_cases()[2]
+    for bad in (float("inf"), float("nan")):  # +inf gives a cost of −inf, which a clamp at 0 would hide
+        gram = gram.clone()
+        gram[4, 6] = bad
+        for name in ("native", "reference"):
+            out = torch.zeros(out_rows.numel() + 2, stride, dtype=torch.float64)
+            with pytest.raises(NonFiniteError, match="gram: row 4"):
+                backend.ADAPTERS[name].water_fill_gram(gram, sq_r, sq_c, own, w, out, out_rows, cols)
+
+
 def test_water_filling_limits_and_errors():
     costs = torch.tensor([[0.0, 1.0, 4.0]], dtype=torch.float64)
     counts = torch.tensor([10, 10, 10])
@@ -273,6 +332,45 @@ def test_screened_weights_float32_gradients_and_threads():
         assert torch.equal(screened_weights(G, n, 50.0), one)
     finally:
         torch.set_num_threads(threads)
+
+
+def _contexts_gradients(m=512, d=40, contexts=4, seed=3):
+    """float32 gradients of m clients in ``contexts`` groups (≥ 64 clients each, so that the
+    screened solve takes its float32 products), noise ∝ 1/√n as a client's sampling noise."""
+    g = torch.Generator().manual_seed(seed)
+    n = torch.randint(50, 250, (m,), generator=g)
+    centres = 3.0 * torch.randn(contexts, d, generator=g, dtype=torch.float64)
+    G = centres[torch.arange(m) % contexts] + torch.randn(m, d, generator=g, dtype=torch.float64) / n[:, None].sqrt()
+    return (G + 10.0).to(torch.float32), n
+
+
+def test_screened_weights_float32_products_against_the_float64_solve(monkeypatch):
+    """float32 gradients: the groups' products in float32 (rows shifted by their columns' mean)
+    give the float64 dense solve's α to ~1e-6 of its largest entry, with the same support
+    above that; products=torch.float64 gives it to rounding. The float32 path is the one taken."""
+    from pflcore.algorithms import perm
+    G, n = _contexts_gradients()
+    lam = 2.0
+    dense = water_filling(pairwise_sqdist(G), n, lam)
+    calls = []
+    real = perm._shifted_gram32
+    monkeypatch.setattr(perm, "_shifted_gram32", lambda *a: calls.append(a[1].numel()) or real(*a))
+    got = screened_weights(G, n, lam)
+    assert calls and max(calls) >= 64
+    scale = float(dense.max())
+    assert float((got - dense).abs().max()) <= 2e-6 * scale
+    big = dense > 1e-5 * scale
+    assert torch.equal(got[big] > 0, dense[big] > 0)
+    torch.testing.assert_close(got.sum(1), torch.ones(G.shape[0], dtype=torch.float64), rtol=0, atol=1e-12)
+    torch.testing.assert_close(screened_weights(G, n, lam, products=torch.float64), dense, rtol=1e-9, atol=1e-12)
+    # where the levels are small against the group's spread (λ_α → 0: a client keeps its nearest
+    # neighbours), the float32 rounding would matter: those groups are solved again in float64
+    calls.clear()
+    tiny = screened_weights(G, n, 1e-4)
+    assert calls, "the float32 products were tried first"
+    assert torch.equal(tiny, screened_weights(G, n, 1e-4, products=torch.float64))
+    with pytest.raises(ValueError, match="products: expected None, torch.float32 or torch.float64"):
+        screened_weights(G, n, lam, products=torch.float16)
 
 
 def test_screened_weights_errors():

@@ -67,6 +67,10 @@ template <typename T>
 using CnnPoolBackFn = void (*)(const T*, const T*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                                int64_t, int64_t, int64_t, const int32_t*, T*, int64_t, int64_t);
 
+template <typename T>
+using WaterFillGramFn = void (*)(const T*, const double*, const double*, const int64_t*, int64_t, int64_t,
+                                 const double*, double*, int64_t, const int64_t*, const int64_t*, double*, Faults&);
+
 struct KernelTable {
   const char* level;  // "baseline", "avx2", "avx512" or "native"
   Typed<LocalStepsFn> local_steps;
@@ -88,6 +92,7 @@ struct KernelTable {
   void (*dp_normals)(uint64_t, uint64_t, int64_t, double*);
   void (*anderson_solve)(const double*, int64_t, double, double*);
   void (*water_fill)(const double*, int64_t, int64_t, const double*, double*, Faults&);
+  Typed<WaterFillGramFn> water_fill_gram;
   void (*sample_batches)(const int64_t*, int64_t, int64_t, const int64_t*, int64_t, int64_t, int64_t, int64_t,
                          uint32_t, uint32_t, int32_t*, Faults&);
   bool (*mlp_local_steps_supported)(int64_t, int64_t);

@@ -27,6 +27,7 @@ const KernelTable& level_table() {
     t.dp_normals = dp_normals;
     t.anderson_solve = anderson_solve;
     t.water_fill = water_fill;
+    t.water_fill_gram = {water_fill_gram<float>, water_fill_gram<double>};
     t.sample_batches = sample_batches;
     t.mlp_local_steps_supported = mlp_local_steps_supported;
     t.mlp_local_steps = mlp_local_steps;

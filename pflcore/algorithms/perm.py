@@ -136,7 +136,7 @@ def _farthest_point_labels(Y: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def screened_weights(G: torch.Tensor, sizes: torch.Tensor, lam_alpha: float, rows: slice = slice(None),
-                     clusters: int = 16, projection: int = 16) -> torch.Tensor:
+                     clusters: int = 16, projection: int = 16, products: Optional[torch.dtype] = None) -> torch.Tensor:
     """``water_filling(pairwise_sqdist(G, rows), sizes, lam_alpha)`` (to float rounding), without
     forming the distances of pairs that cannot carry weight.
 
@@ -155,6 +155,21 @@ def screened_weights(G: torch.Tensor, sizes: torch.Tensor, lam_alpha: float, row
     the same column clusters) and water-filled over those columns; the others are 0. When
     nothing can be screened (gradients without groups) this is the dense computation.
 
+    ``products``: the precision of those GEMMs. ``None`` (default): that of the gradients —
+    float64 gradients, float64 products (the dense solve's α to ~1e-13); float32 gradients,
+    float32 products of the group's rows shifted by its columns' mean (half the time of the
+    float64 GEMM, which was most of the solve). The shift makes the rows' squared norms about
+    half the group's mean pairwise distance, so the products' rounding is ~√d·2⁻²⁴ of that
+    mean; a group whose mean squared norm exceeds 8× the smallest water level of its rows (the
+    levels come out of the solve) is solved again in float64, so the rounding stays within ~1e-6
+    of the levels. Measured at m = 2,000 (bench/server_steps.py): α within 4.4e-7 of the float64
+    solve, where α from float64 gradients differs from α from the float32 ones by 3.9e-7 — the
+    products add error of the order the gradients already carry. ``torch.float64``: float64
+    products whatever the gradients' dtype; ``torch.float32``: float32 products, no fallback.
+
+    Each group's costs ‖y_i‖² + ‖y_j‖² − 2y_i·y_j are formed, water-filled and written into the
+    output rows by one kernel call (the backend's ``water_fill_gram``).
+
     It runs on one thread (torch's intra-op threads set to 1 for the call): its work is many
     medium-sized ops, and with 2 threads on a 2-core machine shared with other processes they
     took 1.18 s where one thread took 0.17 s (m = 2,000, bench/server_steps.py; the dense solve
@@ -164,13 +179,13 @@ def screened_weights(G: torch.Tensor, sizes: torch.Tensor, lam_alpha: float, row
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _screened_weights(G, sizes, lam_alpha, rows, clusters, projection)
+        return _screened_weights(G, sizes, lam_alpha, rows, clusters, projection, products)
     finally:
         torch.set_num_threads(threads)
 
 
 def _screened_weights(G: torch.Tensor, sizes: torch.Tensor, lam_alpha: float, rows: slice, clusters: int,
-                      projection: int) -> torch.Tensor:
+                      projection: int, products: Optional[torch.dtype]) -> torch.Tensor:
     if G.dim() != 2 or G.shape[0] < 1:
         raise ValueError(f"G: expected shape [m, d] with m >= 1, got {list(G.shape)}")
     m, d = G.shape
@@ -181,13 +196,18 @@ def _screened_weights(G: torch.Tensor, sizes: torch.Tensor, lam_alpha: float, ro
     if not math.isfinite(float(G.sum())) and not bool(torch.isfinite(G).all()):  # one cheap pass first
         raise ValueError("G: expected finite values")
     lam = positive(lam_alpha, "lam_alpha", "screened_weights")
+    if products not in (None, torch.float32, torch.float64):
+        raise ValueError(f"products: expected None, torch.float32 or torch.float64, got {products!r}")
+    low = products is torch.float32 or (products is None and G.dtype is not torch.float64)
     Gc = _centred(G)
     sq = _row_sumsq(Gc)
+    G32 = G.to(torch.float32) if low else None
     first, stop = rows.start or 0, m if rows.stop is None else rows.stop
     k = max(1, min(int(clusters), m))
     gen = torch.Generator().manual_seed(0x5EED)
     omega = torch.randn(d, min(int(projection), d), generator=gen, dtype=torch.float64).to(Gc.device)
-    labels = _farthest_point_labels(Gc @ omega, k)
+    # (Ωᵀ Gcᵀ)ᵀ: MKL multiplies [m, d] by a narrow [d, 16] at ~4 GFLOP/s, the transposed product ~2.6× faster
+    labels = _farthest_point_labels(torch.mm(omega.T, Gc.T).T, k)
     k = int(labels.max()) + 1
     count = torch.bincount(labels, minlength=k).to(torch.float64)
     mu = torch.zeros(k, d, dtype=torch.float64, device=Gc.device).index_add_(0, labels, Gc) / count[:, None]
@@ -197,7 +217,8 @@ def _screened_weights(G: torch.Tensor, sizes: torch.Tensor, lam_alpha: float, ro
     # ‖g_i − μ_b‖ for the rows asked, by the Gram formula; its rounding (≤ ~1e-13 relative to the
     # norms) is covered by the slack below, which only ever keeps more clusters
     r_sq = sq[first:stop]
-    to_mu = (r_sq[:, None] + (mu * mu).sum(dim=1)[None, :]).addmm_(Gc[first:stop], mu.T, alpha=-2.0).clamp_(min=0.0)
+    to_mu = (r_sq[:, None] + (mu * mu).sum(dim=1)[None, :]).add_(torch.mm(mu, Gc[first:stop].T).T, alpha=-2.0)
+    to_mu.clamp_(min=0.0)
     slack = 1e-9 * (r_sq[:, None] + (mu * mu).sum(dim=1)[None, :]) + 1e-300
     lower = (to_mu.sqrt() - radius[None, :]).clamp_(min=0.0) ** 2 - slack  # [r, k]
     inv_w = 2.0 * lam / sizes.to(device=Gc.device, dtype=torch.float64)
@@ -211,23 +232,44 @@ def _screened_weights(G: torch.Tensor, sizes: torch.Tensor, lam_alpha: float, ro
     need[torch.arange(stop - first, device=Gc.device), labels[first:stop]] = True
     out = torch.zeros(stop - first, m, dtype=torch.float64, device=Gc.device)
     patterns, group = _row_patterns(need)
+    w = sizes.to(device=Gc.device, dtype=torch.float64) / (2.0 * lam)
+    adapter = backend.select("water_fill_gram", None, w)
     for g_idx in range(patterns.shape[0]):
         r_idx = torch.nonzero(group == g_idx).flatten()  # ascending
         cols = torch.nonzero(patterns[g_idx][labels]).flatten()  # ascending client ids
         gi = r_idx + first
         every = cols.numel() == m
-        cols_sq = sq if every else sq[cols]
-        costs = (sq[gi, None] + cols_sq[None, :]).add_(_gram(Gc, gi, None if every else cols), alpha=-2.0)
-        costs.clamp_(min=0.0)
+        some = None if every else cols
         # every row's own client is among its columns (ascending): its cost is exactly 0
         own = gi if every else torch.searchsorted(cols, gi)
-        costs[torch.arange(gi.numel(), device=Gc.device), own] = 0.0
-        alpha = water_filling(costs, sizes[cols.to(sizes.device)], lam)
-        if every:
-            out[r_idx] = alpha
-        else:  # one flat copy (~25% faster than the 2-D advanced-index assignment)
-            out.view(-1).index_copy_(0, (r_idx[:, None] * m + cols[None, :]).view(-1), alpha.view(-1))
+        w_cols = w if every else w[cols]
+        # the costs and their water-filling in one kernel call, α written into the rows of `out`
+        if low and gi.numel() >= 64:  # (a few rows: the columns' shift would cost more than it saves)
+            gram, sq_r, sq_c, spread = _shifted_gram32(G32, gi, some)
+            levels = adapter.water_fill_gram(gram, sq_r, sq_c, own, w_cols, out, r_idx, cols)
+            if products is not None or spread <= 8.0 * float(levels.min()):
+                continue
+            # the float32 rounding could be large against the levels: the group again in float64
+        adapter.water_fill_gram(_gram(Gc, gi, some), sq[gi], sq if every else sq[cols], own, w_cols, out, r_idx,
+                                cols)
     return out
+
+
+def _shifted_gram32(G32: torch.Tensor, rows: torch.Tensor, cols: Optional[torch.Tensor]):
+    """The float32 products ``[r, k]`` of ``G32[rows]`` and ``G32[cols]`` (``cols`` None: every
+    row) shifted by the columns' mean, the shifted rows' and columns' squared norms (float64
+    sums), and the columns' mean squared norm (the scale of the products' rounding). Any common
+    shift leaves the distances ‖y_i‖² + ‖y_j‖² − 2y_i·y_j as they are, even a rounded one; this
+    one makes the norms small (their mean is half the columns' mean pairwise distance). The
+    shift in float32 rounds as a cast of the float64 difference would."""
+    C = G32 if cols is None else G32.index_select(0, cols)
+    mu = C.mean(dim=0, dtype=torch.float64).to(torch.float32)
+    Yc = C - mu if cols is None else C.sub_(mu)
+    sq_c = (Yc * Yc).sum(dim=1, dtype=torch.float64)
+    if cols is not None and torch.equal(rows, cols):
+        return _products(Yc, Yc), sq_c, sq_c, float(sq_c.mean())
+    Yr = G32.index_select(0, rows).sub_(mu)
+    return _products(Yr, Yc), (Yr * Yr).sum(dim=1, dtype=torch.float64), sq_c, float(sq_c.mean())
 
 
 def _row_patterns(need: torch.Tensor):
@@ -246,26 +288,31 @@ def _row_patterns(need: torch.Tensor):
 
 
 def _gram(Gc: torch.Tensor, rows: torch.Tensor, cols: Optional[torch.Tensor]) -> torch.Tensor:
-    """``Gc[rows] @ Gc[cols].T`` (``cols`` None: every row of Gc), a fresh float64 ``[r, k]``.
-
-    Where rows and cols are the same clients (the usual group: a context's clients need each
-    other) the product is symmetric. torch has no SYRK, so the rows are cut into 4 blocks and
-    only the 10 blocks on and above the diagonal are multiplied (10/16 of the work); the blocks
-    below are their transposes."""
+    """``Gc[rows] @ Gc[cols].T`` (``cols`` None: every row of Gc), a fresh ``[r, k]``."""
     right = Gc if cols is None else Gc[cols]
     n = rows.numel()
     same = right.shape[0] == n and torch.equal(rows, cols if cols is not None else torch.arange(n, device=rows.device))
-    if not same or n < 256:  # small blocks: one product is cheaper than ten
-        return Gc[rows] @ right.T
-    out = torch.empty(n, n, dtype=Gc.dtype, device=Gc.device)
+    return _products(right, right) if same else _products(Gc[rows], right)
+
+
+def _products(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """``left @ right.T``, a fresh ``[r, k]``.
+
+    Where left and right are the same tensor (the usual group: a context's clients need each
+    other) the product is symmetric. torch has no SYRK, so the rows are cut into 4 blocks and
+    each block is multiplied with itself and the blocks after it (4 products, 10/16 of the work;
+    the same cut into 10 block products ran ~15% slower at 500 × 610, MKL, one thread); the
+    blocks below the diagonal are the transposes."""
+    n = left.shape[0]
+    if left is not right or n < 256:  # small blocks: one product is cheaper than four
+        return left @ right.T
+    out = torch.empty(n, n, dtype=left.dtype, device=left.device)
     cuts = [n * q // 4 for q in range(5)]
     for a in range(4):
-        ra = slice(cuts[a], cuts[a + 1])
-        for b in range(a, 4):
-            rb = slice(cuts[b], cuts[b + 1])
-            torch.mm(right[ra], right[rb].T, out=out[ra, rb])
-            if b != a:
-                out[rb, ra] = out[ra, rb].T
+        ra, after = slice(cuts[a], cuts[a + 1]), slice(cuts[a], n)
+        torch.mm(right[ra], right[after].T, out=out[ra, after])
+        if a < 3:
+            out[cuts[a + 1]:, ra] = out[ra, cuts[a + 1]:].T
     return out
 
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from pflcore.backends import _values
 from pflcore.backends._lloyd import lloyd_loop
 from pflcore.backends.base import Adapter, all_rows
+from pflcore.errors import NonFiniteError
 from pflcore.models.glm import GLM
 from pflcore.models.nets import TorchNet
 
@@ -228,6 +229,22 @@ def water_fill(costs: torch.Tensor, w: torch.Tensor, candidates: int = 256) -> t
     return torch.sub(tau[:, None], costs).clamp_(min=0.0).mul_(w[None, :])  # one fresh [r, k]
 
 
+def water_fill_gram(gram, sq_r, sq_c, own, w, out, out_rows, cols) -> torch.Tensor:
+    """``water_fill`` of the costs ``max(0, sq_r[i] + sq_c[j] − 2·gram[i, j])`` (``c[i, own[i]] = 0``),
+    written to ``out[out_rows[i], cols[j]]`` (the rule of csrc/cpu/water_fill.cpp's
+    water_fill_gram); returns the rows' levels τ_i (α_{i,own} / w_own)."""
+    costs = (sq_r[:, None] + sq_c[None, :]).add_(gram.to(torch.float64), alpha=-2.0)
+    if not bool(torch.isfinite(costs).all()):  # before the clamp, which would turn −inf into 0
+        bad = int(torch.nonzero(~torch.isfinite(costs).all(dim=1))[0])
+        raise NonFiniteError(f"gram: row {bad} gives a NaN or infinite cost")
+    costs.clamp_(min=0.0)
+    at = torch.arange(costs.shape[0], device=costs.device)
+    costs[at, own] = 0.0
+    alpha = water_fill(costs, w)
+    out[out_rows[:, None], cols[None, :]] = alpha
+    return alpha[at, own] / w[own]
+
+
 # ---- Anderson's small solve ----------------------------------------------------------------------
 
 def anderson_solve(G: torch.Tensor, reg: float) -> torch.Tensor:
@@ -412,6 +429,9 @@ class ReferenceAdapter(Adapter):
 
     def water_fill(self, costs, w, candidates: int = 256):
         return water_fill(costs, w, candidates)
+
+    def water_fill_gram(self, gram, sq_r, sq_c, own, w, out, out_rows, cols):
+        return water_fill_gram(gram, sq_r, sq_c, own, w, out, out_rows, cols)
 
     def clip_and_sum(self, updates, weights, clip_norm: float, noise_std: float, seed: int, counter: int):
         _values.clip_and_sum_fault(updates, weights)

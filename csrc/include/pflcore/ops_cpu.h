@@ -151,6 +151,15 @@ void cnn_pool_relu_backward(const T* da, const T* h, int64_t N, int64_t C, int64
 // level τ_i such that the row sums to 1. Checks w (finite, > 0) and each row of costs (finite).
 void water_fill(const double* costs /*[r, k]*/, int64_t r, int64_t k, const double* w /*[k]*/,
                 double* alpha /*[r, k]*/, Faults& faults);
+// The same from a block of a Gram matrix (perm.screened_weights): the costs of row i are
+// c_ij = max(0, sq_r[i] + sq_c[j] − 2·gram[i, j]) with c_{i, own[i]} = 0; α_ij is written to
+// out[out_rows[i]·out_stride + cols[j]] (the other entries of out untouched) and τ_i to levels[i].
+// Checks w and each row's costs (finite).
+template <typename T>
+void water_fill_gram(const T* gram /*[r, k]*/, const double* sq_r /*[r]*/, const double* sq_c /*[k]*/,
+                     const int64_t* own /*[r], in [0, k)*/, int64_t r, int64_t k, const double* w /*[k]*/,
+                     double* out /*rows of out_stride*/, int64_t out_stride, const int64_t* out_rows /*[r]*/,
+                     const int64_t* cols /*[k], in [0, out_stride)*/, double* levels /*[r]*/, Faults& faults);
 
 // Checks each client index and its offsets (as the GLM kernels do) before drawing its rows.
 void sample_batches(const int64_t* offsets /*[m + 1]*/, int64_t m, int64_t N, const int64_t* clients /*[R] or null*/,
