@@ -382,6 +382,22 @@ PYBIND11_MODULE(_core, m) {
     else k.cnn_pool_relu.f32(as<const float>(z), N, C, z_row, Wz, H2, W2, pool, n, as<float>(out), out_group, out_img,
                              s_c, s_y, s_x, as<int32_t>(idx));
   });
+  m.def("cnn_conv_pool_relu", [](bool f64, ptr_t src, int64_t src_img, ptr_t off, int64_t Tn, ptr_t w, ptr_t bias,
+                                 int64_t G, int64_t n, int64_t R, int64_t P, int64_t Wz, int64_t H2, int64_t W2,
+                                 int64_t pool, ptr_t out, int64_t out_group, int64_t out_img, int64_t s_c, int64_t s_y,
+                                 int64_t s_x, ptr_t idx) {
+    require(P % 8 == 0 && Tn >= 1 && G >= 0 && n >= 1 && R >= 0 && pool >= 1 && H2 >= 0 && W2 >= 0 &&
+                W2 * pool <= Wz && (H2 == 0 || W2 == 0 || (H2 * pool - 1) * Wz + W2 * pool <= P),
+            "cnn_conv_pool_relu", "expected P % 8 == 0, Tn >= 1, n >= 1, pool >= 1, every window inside the P positions");
+    py::gil_scoped_release nogil;
+    const cpu::KernelTable& k = cpu::active();
+    if (f64) k.cnn_conv_pool_relu.f64(as<const double>(src), src_img, as<const int64_t>(off), Tn, as<const double>(w),
+                                      as<const double>(bias), G, n, R, P, Wz, H2, W2, pool, as<double>(out), out_group,
+                                      out_img, s_c, s_y, s_x, as<int32_t>(idx));
+    else k.cnn_conv_pool_relu.f32(as<const float>(src), src_img, as<const int64_t>(off), Tn, as<const float>(w),
+                                  as<const float>(bias), G, n, R, P, Wz, H2, W2, pool, as<float>(out), out_group,
+                                  out_img, s_c, s_y, s_x, as<int32_t>(idx));
+  });
   m.def("cnn_pool_relu_backward", [](bool f64, ptr_t da, ptr_t h, int64_t N, int64_t C, int64_t H2, int64_t W2,
                                      int64_t n, int64_t in_group, int64_t in_img, int64_t s_c, int64_t s_y, int64_t s_x,
                                      ptr_t idx, ptr_t dz, int64_t dz_row, int64_t front) {

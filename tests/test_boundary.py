@@ -459,6 +459,39 @@ def test_the_value_prepass_row_check_is_exact_where_row_sums_overflow(dtype):
     assert torch.equal(rows_finite(t.view(6, 5, 1)), want) and rows_finite(t[:0]).numel() == 0
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+def test_the_prepass_flags_any_non_finite_row_it_reads(dtype, idx_dtype):
+    # _rows_nonfinite (embedding_bag's sum of the read rows on the CPU, else gathered pieces)
+    # flags a NaN, inf, -inf or inf - inf in any read row, repeated rows included, on contiguous
+    # and strided x; rows that are not read do not flag.
+    from pflcore.backends._values import _rows_nonfinite
+    from pflcore.backends import _values
+
+    def flag(x, idx):
+        return bool(torch.stack(_rows_nonfinite(x, torch.tensor(idx, dtype=idx_dtype))).any())
+
+    base = torch.randn(9, 7, dtype=dtype)
+    for strided in (False, True):
+        for value in ([float("nan")], [float("inf")], [-float("inf")], [float("inf"), -float("inf")]):
+            for row in (0, 4, 8):
+                t = base.clone()
+                for j, v in enumerate(value):
+                    t[row, 2 + j] = v
+                x = torch.stack([t, torch.zeros_like(t)], 2).view(9, 14)[:, ::2] if strided else t
+                assert x.stride(1) == (2 if strided else 1) and torch.equal(x.nan_to_num(), t.nan_to_num())
+                assert flag(x, [1, row, 3]) and flag(x, [row, row]) and flag(x, [row])
+                assert not flag(x, [r for r in range(9) if r != row] * 2)
+                old = _values._GATHER_VALUES
+                try:  # the gathered pieces (off the CPU): one row at a time
+                    _values._GATHER_VALUES = 1
+                    assert flag(x.view(9, 7, 1), [1, row, 3]) and not flag(x.view(9, 7, 1), [1, 3])
+                finally:
+                    _values._GATHER_VALUES = old
+    big = torch.finfo(dtype).max  # an overflowing sum of finite rows flags (the exact pass clears it)
+    assert flag(torch.full((2, 3), big, dtype=dtype), [0, 1])
+
 def _twenty_row_batches():
     """A client of 30 rows and one minibatch of 20 (three blocks of the row path: 8 + 8 + 4)."""
     model = models.Softmax(5, 4)

@@ -20,10 +20,11 @@ def _gen(seed):
     return torch.Generator().manual_seed(seed)
 
 
-@pytest.mark.parametrize("R, Tn, P", [(1, 1, 8), (3, 5, 16), (4, 9, 24), (6, 25, 40), (7, 13, 56)])
+@pytest.mark.parametrize("R, Tn, P", [(1, 1, 8), (3, 5, 16), (4, 9, 24), (6, 25, 40), (7, 13, 56), (2, 7, 104),
+                                     (5, 26, 200), (9, 4, 48), (16, 150, 144)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_shifted_gemm_and_corr_equal_the_reference(R, Tn, P, dtype):
-    G, n, src_img = 2, 3, 50
+    G, n, src_img = 2, 3, max(50, P)
     g = _gen(R * 100 + Tn)
     off = torch.randint(0, 30, (Tn,), generator=g)
     src = torch.randn(G * n * src_img + 40, generator=g, dtype=dtype)  # every q + off[t] lies inside
@@ -82,15 +83,26 @@ def test_input_grad_equals_the_reference(cout, cin, k, ho, wo, dtype):
 @pytest.mark.parametrize("pool", [1, 2, 3])
 @pytest.mark.parametrize("front", [0, 5])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_pool_relu_and_its_gradient_equal_the_reference(pool, front, dtype):
-    N, C, n, h2, w2 = 6, 3, 3, 4, 3
+@pytest.mark.parametrize("w2, planes", [(3, False), (11, False), (17, True), (8, True)])
+def test_pool_relu_and_its_gradient_equal_the_reference(pool, front, dtype, w2, planes):
+    """Window rows of 3, 8, 11 and 17 (pool 2: whole vectors of windows, 4 or 8 lanes, and the
+    rest one at a time), into features-like (columns n apart) or plane-like (contiguous) outputs."""
+    N, C, n, h2 = 6, 3, 3, 4
     wz = w2 * pool + 2  # garbage columns beyond the windows
     z_row = (h2 * pool + 1) * wz
-    g = _gen(pool)
+    g = _gen(pool * 100 + w2)
     z = torch.randint(-12, 3, (N * C * z_row,), generator=g).to(dtype)  # integers: many ties, windows <= 0
     z[5] = float("nan")  # a NaN wins its window, as in torch's max-pooling
-    # pooled output into [G, C, h2, w2, n] (group, channel, row, column, image: strided like the features)
-    strides = (C * h2 * w2 * n, 1, h2 * w2 * n, w2 * n, n)
+    seen = {(0, 0, 5 // pool)}  # more NaNs, one a window at most (which of two NaNs wins is not specified)
+    for q in torch.randint(0, z.numel(), (z.numel() // 50,), generator=g).tolist():
+        win = (q // z_row, q % z_row // wz // pool, q % wz // pool)
+        if win not in seen:
+            seen.add(win)
+            z[q] = float("nan")
+    if planes:  # pooled output into [G, n, C, h2, w2] (the next layer's input planes, unpadded)
+        strides = (n * C * h2 * w2, C * h2 * w2, h2 * w2, w2, 1)
+    else:  # into [G, C, h2, w2, n] (group, channel, row, column, image: strided like the features)
+        strides = (C * h2 * w2 * n, 1, h2 * w2 * n, w2 * n, n)
     outs, idxs = [], []
     for ops in (NATIVE, REF):
         out = torch.full((N * C * h2 * w2,), -5.0, dtype=dtype)
@@ -139,3 +151,51 @@ def test_kernel_size_beyond_the_slack_is_not_served():
     theta = big.initial(2, seed=0)
     assert cnn_batched._native_ops(big, theta) is None
     assert isinstance(cnn_batched._chunk(big, theta), cnn_batched.CNNChunk)
+
+
+@pytest.mark.parametrize("R, k, pool, wz, ho", [(6, 5, 2, 32, 28), (7, 3, 3, 11, 9), (16, 5, 2, 14, 10), (1, 1, 1, 5, 3)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_conv_pool_relu_equals_the_gemm_then_the_pooling(R, k, pool, wz, ho, dtype):
+    """The fused forward (each image's conv planes pooled while in cache) against the native
+    shifted_gemm + pool_relu and the torch reference: the same values and indices, bit for bit,
+    into features-like strides, with and without a bias, several groups."""
+    G, n, cin = 3, 2, 2
+    hp = ho + k - 1
+    L = hp * wz
+    P = -(-ho * wz // 8) * 8
+    h2, w2 = ho // pool, (wz - k + 1) // pool
+    g = _gen(R * 10 + k)
+    src = torch.randn(G * n * cin * L + 64, generator=g, dtype=dtype)
+    taps = torch.tensor([i * wz + j for i in range(k) for j in range(k)])
+    off = (torch.arange(cin)[:, None] * L + taps).reshape(-1)
+    w = torch.randn(G, R, cin * k * k, generator=g, dtype=dtype)
+    bias = torch.randn(G, R, generator=g, dtype=dtype)
+    strides = (R * h2 * w2 * n, 1, h2 * w2 * n, w2 * n, n)
+    for b in (bias, None):
+        outs, idxs = [], []
+        for ops in ("fused", "split", REF):
+            out = torch.full((G * n * R * h2 * w2,), -5.0, dtype=dtype)
+            idx = torch.full((G * n * R * h2 * w2,), -1, dtype=torch.int32)
+            if ops == "split":
+                z = torch.empty(G * n * R * P, dtype=dtype)
+                NATIVE.shifted_gemm(src, cin * L, off, w, b, G, n, R, P, z, R * P, P)
+                NATIVE.pool_relu(z, G * n, R, P, wz, h2, w2, pool, n, out, *strides, idx)
+            else:
+                (NATIVE if ops == "fused" else ops).conv_pool_relu(src, cin * L, off, w, b, G, n, R, P, wz, h2, w2,
+                                                                   pool, out, *strides, idx)
+            outs.append(out)
+            idxs.append(idx)
+        assert torch.equal(outs[0], outs[1]) and torch.equal(idxs[0], idxs[1])
+        torch.testing.assert_close(outs[0], outs[2], **TOL[dtype])
+        assert int((outs[0] == -5.0).sum()) == 0 and int((idxs[0] < 0).sum()) == 0
+
+
+def test_conv_pool_relu_refuses_windows_past_its_positions():
+    src, out = torch.zeros(256), torch.zeros(64)
+    idx = torch.zeros(64, dtype=torch.int32)
+    off, w = torch.zeros(1, dtype=torch.int64), torch.zeros(1, 1, 1)
+    NATIVE.conv_pool_relu(src, 64, off, w, None, 1, 1, 1, 64, 8, 4, 4, 2, out, 16, 16, 16, 4, 1, idx)
+    for bad in ((64, 8, 5, 4, 2), (60, 8, 4, 4, 2), (64, 8, 4, 5, 2), (64, 8, 4, 4, 0)):  # rows, P % 8, columns, pool
+        P, wz, h2, w2, pool = bad
+        with pytest.raises(ValueError, match="^cnn_conv_pool_relu: "):
+            NATIVE.conv_pool_relu(src, 64, off, w, None, 1, 1, 1, P, wz, h2, w2, pool, out, 16, 16, 16, 4, 1, idx)

@@ -15,13 +15,19 @@
 // gradient planes as its taps gives, per input channel, each tap's contribution, added back onto
 // the pixels the tap read (col2im).
 //
-// Register blocks: shifted_gemm keeps RB output rows × VB vectors of positions in registers
-// (4 × 3 at most: 12 of AVX2's 16 registers), shifted_corr RB gradient rows × TB taps (3 × 4);
-// the remainders take smaller instances of the same templates. Vectors are GCC/Clang vector
-// types of 32 bytes (one AVX2 register; two SSE registers on the baseline level).
+// Register blocks: 12 accumulators (of AVX2's 16 registers) in every block: shifted_gemm keeps
+// RB output rows × VB vectors of positions (4 × 3; 3 × 4 where the rows are a multiple of 3; a
+// remainder of 2 or 1 rows as 2 × 6 or 1 × 12), shifted_corr RB gradient rows × TB taps (the
+// same shapes), the shorter side's operands live; vector and tap remainders take smaller
+// instances of the same templates. shifted_corr runs image by image (the image's rows stay in
+// cache across the blocks; the accumulators wait in memory between images: the same sums in the
+// same order), and cnn_conv_pool_relu pools each image's conv planes while they are in cache.
+// Vectors are GCC/Clang vector types of 32 bytes (one AVX2 register; two SSE registers on the
+// baseline level).
 //
 // Models (groups) are independent, sums run in a fixed order, and nothing is threaded here: the
 // caller runs one chunk of models per thread, so the bits do not depend on the thread count.
+#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -66,64 +72,126 @@ inline void gemm_block(const T* src, const int64_t* off, int64_t Tn, const T* w,
   for (int r = 0; r < RB; ++r)
     for (int v = 0; v < VB; ++v) acc[r][v] = V::splat(bias ? bias[r] : T(0));
   const T* s0 = src + q0;
+  // live registers: the RB·VB accumulators and the shorter side's operands (VB input vectors,
+  // each row's weight broadcast in turn; or RB broadcasts, each input vector in turn) plus one:
+  // 16 at most for every block used here (AVX2 has 16; a 3 × 4 block with 4 input vectors live
+  // spilled and ran ~30% slower)
   for (int64_t t = 0; t < Tn; ++t) {
     const T* s = s0 + off[t];
-    v_t x[VB];
-    for (int v = 0; v < VB; ++v) x[v] = V::load(s + v * V::lanes);
-    for (int r = 0; r < RB; ++r) {
-      const T wr = w[r * Tn + t];
-      for (int v = 0; v < VB; ++v) acc[r][v] += wr * x[v];
+    if constexpr (VB <= RB) {
+      v_t x[VB];
+      for (int v = 0; v < VB; ++v) x[v] = V::load(s + v * V::lanes);
+      for (int r = 0; r < RB; ++r) {
+        const T wr = w[r * Tn + t];
+        for (int v = 0; v < VB; ++v) acc[r][v] += wr * x[v];
+      }
+    } else {
+      v_t wb[RB];
+      for (int r = 0; r < RB; ++r) wb[r] = V::splat(w[r * Tn + t]);
+      for (int v = 0; v < VB; ++v) {
+        const v_t x = V::load(s + v * V::lanes);
+        for (int r = 0; r < RB; ++r) acc[r][v] += wb[r] * x;
+      }
     }
   }
   for (int r = 0; r < RB; ++r)
     for (int v = 0; v < VB; ++v) V::store(out + r * out_row + q0 + v * V::lanes, acc[r][v]);
 }
 
-// Rows [r0, r0 + RB) of one image, every position (P a multiple of the lanes).
-template <typename T, int RB>
-inline void gemm_rows(const T* src, const int64_t* off, int64_t Tn, const T* w, const T* bias, int64_t P, T* out,
-                      int64_t out_row) {
+// Rows [r0, r0 + RB) of one image, positions [q, P) (P − q a multiple of the lanes): blocks of VB
+// vectors, then one block of the remaining vectors (fewer than VB).
+template <typename T, int RB, int VB>
+inline void gemm_rows_from(const T* src, const int64_t* off, int64_t Tn, const T* w, const T* bias, int64_t q,
+                           int64_t P, T* out, int64_t out_row) {
   constexpr int L = Vec<T>::lanes;
-  int64_t q = 0;
-  for (; q + 3 * L <= P; q += 3 * L) gemm_block<T, RB, 3>(src, off, Tn, w, bias, q, out, out_row);
-  if (P - q == 2 * L) gemm_block<T, RB, 2>(src, off, Tn, w, bias, q, out, out_row);
-  else if (P - q == L) gemm_block<T, RB, 1>(src, off, Tn, w, bias, q, out, out_row);
+  for (; q + VB * L <= P; q += VB * L) gemm_block<T, RB, VB>(src, off, Tn, w, bias, q, out, out_row);
+  if constexpr (VB > 1) {
+    if (q < P) gemm_rows_from<T, RB, VB - 1>(src, off, Tn, w, bias, q, P, out, out_row);
+  }
 }
 
-// dw[r][t] (r < RB, t < TB) += Σ over the group's n images and P positions of a[r][q]·src[q + off[t]].
+// Every row r < R of one image, every position (P a multiple of the lanes). 12 accumulators in
+// each block (FMA latency × ports on AVX2 machines: fewer leave the FMA units idle): 4 rows × 3
+// vectors, 3 × 4 where R is a multiple of 3 but not of 4, and a remainder of 1 or 2 rows in
+// blocks of 12 or 6 vectors (a 2-row remainder in 2 × 3 blocks ran at ~60% of the 4 × 3 rate).
+template <typename T>
+inline void gemm_all_rows(const T* src, const int64_t* off, int64_t Tn, const T* w, const T* bias, int64_t R,
+                          int64_t P, T* out, int64_t out_row) {
+  int64_t r = 0;
+  if (R % 4 != 0 && R % 3 == 0) {
+    for (; r < R; r += 3)
+      gemm_rows_from<T, 3, 4>(src, off, Tn, w + r * Tn, bias ? bias + r : nullptr, 0, P, out + r * out_row, out_row);
+    return;
+  }
+  for (; r + 4 <= R; r += 4)
+    gemm_rows_from<T, 4, 3>(src, off, Tn, w + r * Tn, bias ? bias + r : nullptr, 0, P, out + r * out_row, out_row);
+  const T* wr = w + r * Tn;
+  const T* br = bias ? bias + r : nullptr;
+  T* orow = out + r * out_row;
+  switch (R - r) {
+    case 3: gemm_rows_from<T, 3, 4>(src, off, Tn, wr, br, 0, P, orow, out_row); break;
+    case 2: gemm_rows_from<T, 2, 6>(src, off, Tn, wr, br, 0, P, orow, out_row); break;
+    case 1: gemm_rows_from<T, 1, 12>(src, off, Tn, wr, br, 0, P, orow, out_row); break;
+    default: break;
+  }
+}
+
+// acc[r][t] (r < RB, t < TB: vectors of per-lane partial sums, rows of Tn) += Σ over the P
+// positions of one image of a[r][q]·src[q + off[t]].
 template <typename T, int RB, int TB>
-inline void corr_block(const T* a, int64_t a_img, int64_t a_row, const T* src, int64_t src_img, const int64_t* off,
-                       int64_t n, int64_t P, T* dw, int64_t Tn) {
+inline void corr_block(const T* a, int64_t a_row, const T* src, const int64_t* off, int64_t P,
+                       typename Vec<T>::type* acc_mem, int64_t Tn) {
   using V = Vec<T>;
   using v_t = typename V::type;
   v_t acc[RB][TB];
   for (int r = 0; r < RB; ++r)
-    for (int t = 0; t < TB; ++t) acc[r][t] = v_t{};
-  for (int64_t i = 0; i < n; ++i) {
-    const T* ai = a + i * a_img;
-    const T* si = src + i * src_img;
-    for (int64_t q = 0; q < P; q += V::lanes) {
+    for (int t = 0; t < TB; ++t) acc[r][t] = acc_mem[r * Tn + t];
+  for (int64_t q = 0; q < P; q += V::lanes) {
+    // the shorter side's vectors live (as in gemm_block): 16 registers at most
+    if constexpr (RB <= TB) {
       v_t av[RB];
-      for (int r = 0; r < RB; ++r) av[r] = V::load(ai + r * a_row + q);
+      for (int r = 0; r < RB; ++r) av[r] = V::load(a + r * a_row + q);
       for (int t = 0; t < TB; ++t) {
-        const v_t x = V::load(si + off[t] + q);
+        const v_t x = V::load(src + off[t] + q);
         for (int r = 0; r < RB; ++r) acc[r][t] += av[r] * x;
+      }
+    } else {
+      v_t x[TB];
+      for (int t = 0; t < TB; ++t) x[t] = V::load(src + off[t] + q);
+      for (int r = 0; r < RB; ++r) {
+        const v_t ar = V::load(a + r * a_row + q);
+        for (int t = 0; t < TB; ++t) acc[r][t] += ar * x[t];
       }
     }
   }
   for (int r = 0; r < RB; ++r)
-    for (int t = 0; t < TB; ++t) dw[r * Tn + t] = V::sum(acc[r][t]);
+    for (int t = 0; t < TB; ++t) acc_mem[r * Tn + t] = acc[r][t];
 }
 
-template <typename T, int RB>
-inline void corr_rows(const T* a, int64_t a_img, int64_t a_row, const T* src, int64_t src_img, const int64_t* off,
-                      int64_t Tn, int64_t n, int64_t P, T* dw) {
-  int64_t t = 0;
-  for (; t + 4 <= Tn; t += 4) corr_block<T, RB, 4>(a, a_img, a_row, src, src_img, off + t, n, P, dw + t, Tn);
-  switch (Tn - t) {
-    case 3: corr_block<T, RB, 3>(a, a_img, a_row, src, src_img, off + t, n, P, dw + t, Tn); break;
-    case 2: corr_block<T, RB, 2>(a, a_img, a_row, src, src_img, off + t, n, P, dw + t, Tn); break;
-    case 1: corr_block<T, RB, 1>(a, a_img, a_row, src, src_img, off + t, n, P, dw + t, Tn); break;
+// Taps [t, Tn) of rows [r0, r0 + RB): blocks of TB taps, then one of the remaining taps.
+template <typename T, int RB, int TB>
+inline void corr_taps_from(const T* a, int64_t a_row, const T* src, const int64_t* off, int64_t t, int64_t Tn,
+                           int64_t P, typename Vec<T>::type* acc) {
+  for (; t + TB <= Tn; t += TB) corr_block<T, RB, TB>(a, a_row, src, off + t, P, acc + t, Tn);
+  if constexpr (TB > 1) {
+    if (t < Tn) corr_taps_from<T, RB, TB - 1>(a, a_row, src, off, t, Tn, P, acc);
+  }
+}
+
+// One image's contribution to every row and tap; blocks of 12 accumulators as in gemm_all_rows.
+template <typename T>
+inline void corr_image(const T* a, int64_t a_row, const T* src, const int64_t* off, int64_t Tn, int64_t R,
+                       int64_t P, typename Vec<T>::type* acc) {
+  int64_t r = 0;
+  if (R % 4 != 0 && R % 3 == 0) {
+    for (; r < R; r += 3) corr_taps_from<T, 3, 4>(a + r * a_row, a_row, src, off, 0, Tn, P, acc + r * Tn);
+    return;
+  }
+  for (; r + 4 <= R; r += 4) corr_taps_from<T, 4, 3>(a + r * a_row, a_row, src, off, 0, Tn, P, acc + r * Tn);
+  switch (R - r) {
+    case 3: corr_taps_from<T, 3, 4>(a + r * a_row, a_row, src, off, 0, Tn, P, acc + r * Tn); break;
+    case 2: corr_taps_from<T, 2, 6>(a + r * a_row, a_row, src, off, 0, Tn, P, acc + r * Tn); break;
+    case 1: corr_taps_from<T, 1, 12>(a + r * a_row, a_row, src, off, 0, Tn, P, acc + r * Tn); break;
     default: break;
   }
 }
@@ -139,29 +207,11 @@ void cnn_shifted_gemm(const T* src, int64_t src_img, const int64_t* off, int64_t
     for (int64_t i = g * n; i < (g + 1) * n; ++i) {
       const T* s = src + i * src_img;
       T* o = out + i * out_img;
-      int64_t r = 0;
-      for (; r + 4 <= R; r += 4)
-        gemm_rows<T, 4>(s, off, Tn, wg + r * Tn, bg ? bg + r : nullptr, P, o + r * out_row, out_row);
-      const T* wr = wg + r * Tn;
-      const T* br = bg ? bg + r : nullptr;
-      T* orow = o + r * out_row;
-      switch (R - r) {
-        case 3: gemm_rows<T, 3>(s, off, Tn, wr, br, P, orow, out_row); break;
-        case 2: gemm_rows<T, 2>(s, off, Tn, wr, br, P, orow, out_row); break;
-        case 1: gemm_rows<T, 1>(s, off, Tn, wr, br, P, orow, out_row); break;
-        default: break;
-      }
+      gemm_all_rows<T>(s, off, Tn, wg, bg, R, P, o, out_row);
     }
   }
 }
 
-// The input gradient in scatter form: for each image and input channel ci,
-//   cols[t][q] = Σ_co wt[g][ci][t][co] · dz[i][co][q]       (a shifted GEMM whose taps are the Cout planes)
-//   dx[i][ci][q + i_t·Wp + j_t] += cols[t][q]               (t = (i_t, j_t), q < Qv: col2im)
-// cols (k²·P values) stays in L1/L2 between the two. The gather form (a full correlation of the
-// front-padded dz with the flipped kernel) multiplied zeros for the taps that reach past dz's
-// borders: twice the work on the CIFAR net's 10x10 second layer. The tap loop is outside the
-// position loop in col2im, so no load reads a vector that the store before it partly wrote.
 template <typename T>
 void cnn_input_grad(const T* dz, int64_t dz_img, int64_t dz_row, const T* wt, int64_t G, int64_t n, int64_t Cout,
                     int64_t Cin, int64_t k, int64_t Wp, int64_t P, int64_t Qv, T* dx, int64_t dx_img, int64_t dx_row) {
@@ -176,14 +226,7 @@ void cnn_input_grad(const T* dz, int64_t dz_img, int64_t dz_row, const T* wt, in
       const T* s = dz + i * dz_img;
       for (int64_t ci = 0; ci < Cin; ++ci) {
         const T* w = wt + (g * Cin + ci) * K2 * Cout;  // [k², Cout]
-        int64_t r = 0;
-        for (; r + 4 <= K2; r += 4) gemm_rows<T, 4>(s, off.data(), Cout, w + r * Cout, nullptr, P, cols.data() + r * P, P);
-        switch (K2 - r) {
-          case 3: gemm_rows<T, 3>(s, off.data(), Cout, w + r * Cout, nullptr, P, cols.data() + r * P, P); break;
-          case 2: gemm_rows<T, 2>(s, off.data(), Cout, w + r * Cout, nullptr, P, cols.data() + r * P, P); break;
-          case 1: gemm_rows<T, 1>(s, off.data(), Cout, w + r * Cout, nullptr, P, cols.data() + r * P, P); break;
-          default: break;
-        }
+        gemm_all_rows<T>(s, off.data(), Cout, w, nullptr, K2, P, cols.data(), P);
         T* d = dx + i * dx_img + ci * dx_row;
         std::memset(d, 0, sizeof(T) * dx_row);
         for (int64_t t = 0; t < K2; ++t) {
@@ -201,19 +244,19 @@ template <typename T>
 void cnn_shifted_corr(const T* a, int64_t a_img, int64_t a_row, const T* src, int64_t src_img, const int64_t* off,
                       int64_t Tn, int64_t G, int64_t n, int64_t R, int64_t P, T* dw, T* db) {
   constexpr int L = Vec<T>::lanes;
+  std::vector<typename Vec<T>::type> acc(R * Tn);
   for (int64_t g = 0; g < G; ++g) {
     const T* ag = a + g * n * a_img;
     const T* sg = src + g * n * src_img;
     T* dwg = dw + g * R * Tn;
-    int64_t r = 0;
-    for (; r + 3 <= R; r += 3) corr_rows<T, 3>(ag + r * a_row, a_img, a_row, sg, src_img, off, Tn, n, P, dwg + r * Tn);
-    switch (R - r) {
-      case 2: corr_rows<T, 2>(ag + r * a_row, a_img, a_row, sg, src_img, off, Tn, n, P, dwg + r * Tn); break;
-      case 1: corr_rows<T, 1>(ag + r * a_row, a_img, a_row, sg, src_img, off, Tn, n, P, dwg + r * Tn); break;
-      default: break;
-    }
+    // image by image (its a and src rows stay in L1/L2 across the blocks; the conv1 group of the
+    // CIFAR net, ~660 KB, streamed from L3 once per block when the images were the inner loop),
+    // the blocks' vector accumulators in acc: the same per-lane sums in the same order
+    std::fill(acc.begin(), acc.end(), typename Vec<T>::type{});
+    for (int64_t i = 0; i < n; ++i) corr_image<T>(ag + i * a_img, a_row, sg + i * src_img, off, Tn, R, P, acc.data());
+    for (int64_t j = 0; j < R * Tn; ++j) dwg[j] = Vec<T>::sum(acc[j]);
     if (!db) continue;
-    for (r = 0; r < R; ++r) {  // the bias gradient: Σ of the row's vectors, then its lanes
+    for (int64_t r = 0; r < R; ++r) {  // the bias gradient: Σ of the row's vectors, then its lanes
       typename Vec<T>::type acc{};
       for (int64_t i = 0; i < n; ++i)
         for (int64_t q = 0; q < P; q += L) acc += Vec<T>::load(ag + i * a_img + r * a_row + q);
@@ -225,13 +268,14 @@ void cnn_shifted_corr(const T* a, int64_t a_img, int64_t a_row, const T* src, in
 // One pooled plane: the first maximal input of each window in row-major order (a NaN wins), as
 // torch's, and its ReLU. Branch-free selects: the comparisons follow the data, so branches on them
 // mispredicted about once a window (~4x the time of the selects on the CIFAR net's first layer).
-// POOL > 0: the window size at compile time (the loops unroll); 0: the run-time `pool`.
+// POOL > 0: the window size at compile time (the loops unroll); 0: the run-time `pool`. Columns
+// from x_from (those before: pool2_vec).
 template <typename T, int POOL>
 inline void pool_plane(const T* zc, int64_t Wz, int64_t H2, int64_t W2, int64_t pool_rt, T* oc, int64_t s_y,
-                       int64_t s_x, int32_t* ic) {
+                       int64_t s_x, int32_t* ic, int64_t x_from) {
   const int64_t pool = POOL > 0 ? POOL : pool_rt;
   for (int64_t y = 0; y < H2; ++y)
-    for (int64_t x = 0; x < W2; ++x) {
+    for (int64_t x = x_from; x < W2; ++x) {
       const int64_t q0 = (y * pool) * Wz + x * pool;
       int64_t best = q0;
       T m = zc[q0];
@@ -248,17 +292,110 @@ inline void pool_plane(const T* zc, int64_t Wz, int64_t H2, int64_t W2, int64_t 
     }
 }
 
+// Lane types of the pooling's index vectors: as wide as T (the comparisons' masks), int32 in memory.
+template <typename T> struct IdxOf;
+template <> struct IdxOf<float> { typedef int32_t type; };
+template <> struct IdxOf<double> { typedef int64_t type; };
+
+// pool_plane<T, 2> for the windows [x0, x0 + lanes) of pooled row y, a window per lane: the rows'
+// values split into even and odd columns, then the same selects in the same order (so the same
+// first maximum, a NaN winning) over whole vectors.
+template <typename T>
+inline void pool2_vec(const T* zc, int64_t Wz, int64_t y, int64_t x0, int64_t W2, T* oc, int64_t s_y, int64_t s_x,
+                      int32_t* ic) {
+  using V = Vec<T>;
+  using v_t = typename V::type;
+  constexpr int L = V::lanes;
+  typedef typename IdxOf<T>::type I;
+  typedef I i_t __attribute__((vector_size(32)));
+  i_t even_i, odd_i;
+  for (int l = 0; l < L; ++l) {
+    even_i[l] = 2 * l;
+    odd_i[l] = 2 * l + 1;
+  }
+  const int64_t q0 = 2 * y * Wz + 2 * x0;
+  const T* r0 = zc + q0;
+  v_t m{}, vals[3];
+  for (int u = 0; u < 2; ++u) {
+    const v_t lo = V::load(r0 + u * Wz), hi = V::load(r0 + u * Wz + L);
+    const v_t ev = __builtin_shuffle(lo, hi, even_i), od = __builtin_shuffle(lo, hi, odd_i);
+    if (u == 0) {
+      m = ev;
+      vals[0] = od;
+    } else {
+      vals[1] = ev;
+      vals[2] = od;
+    }
+  }
+  i_t best = even_i + static_cast<I>(q0);  // the window's first position
+  const I step[3] = {1, static_cast<I>(Wz), static_cast<I>(Wz + 1)};
+  for (int k = 0; k < 3; ++k) {
+    const v_t val = vals[k];
+    const i_t take = (val > m) | (val != val);
+    m = take ? val : m;
+    best = take ? even_i + static_cast<I>(q0 + step[k]) : best;
+  }
+  const v_t zero{};
+  const v_t out = (m > zero) | (m != m) ? m : zero;  // relu (a NaN stays)
+  T* o = oc + y * s_y + x0 * s_x;
+  if (s_x == 1) {
+    V::store(o, out);
+  } else {
+    for (int l = 0; l < L; ++l) o[l * s_x] = out[l];
+  }
+  if constexpr (sizeof(I) == sizeof(int32_t)) {
+    std::memcpy(ic + y * W2 + x0, &best, sizeof(best));
+  } else {
+    for (int l = 0; l < L; ++l) ic[y * W2 + x0 + l] = static_cast<int32_t>(best[l]);
+  }
+}
+
+// The C planes of one image (z_row apart) pooled into oi (channels s_c apart), indices into ii.
+template <typename T>
+inline void pool_image(const T* z, int64_t C, int64_t z_row, int64_t Wz, int64_t H2, int64_t W2, int64_t pool, T* oi,
+                       int64_t s_c, int64_t s_y, int64_t s_x, int32_t* ii) {
+    for (int64_t c = 0; c < C; ++c) {
+      const T* zc = z + c * z_row;
+      int32_t* ic = ii + c * H2 * W2;
+      if (pool == 2) {
+        // whole vectors of windows where their 2·lanes columns lie inside the row (2·W2 <= Wz), the
+        // rest one window at a time
+        constexpr int L = Vec<T>::lanes;
+        const int64_t Wv = W2 - W2 % L;
+        for (int64_t y = 0; y < H2; ++y)
+          for (int64_t x = 0; x < Wv; x += L) pool2_vec<T>(zc, Wz, y, x, W2, oi + c * s_c, s_y, s_x, ic);
+        if (Wv < W2) pool_plane<T, 2>(zc, Wz, H2, W2, 2, oi + c * s_c, s_y, s_x, ic, Wv);
+      } else {
+        pool_plane<T, 0>(zc, Wz, H2, W2, pool, oi + c * s_c, s_y, s_x, ic, 0);
+      }
+    }
+}
+
 template <typename T>
 void cnn_pool_relu(const T* z, int64_t N, int64_t C, int64_t z_row, int64_t Wz, int64_t H2, int64_t W2, int64_t pool,
                    int64_t n, T* out, int64_t out_group, int64_t out_img, int64_t s_c, int64_t s_y, int64_t s_x,
                    int32_t* idx) {
-  for (int64_t i = 0; i < N; ++i) {
-    T* oi = out + (i / n) * out_group + (i % n) * out_img;
-    for (int64_t c = 0; c < C; ++c) {
-      const T* zc = z + (i * C + c) * z_row;
-      int32_t* ic = idx + ((i * C + c) * H2) * W2;
-      if (pool == 2) pool_plane<T, 2>(zc, Wz, H2, W2, 2, oi + c * s_c, s_y, s_x, ic);
-      else pool_plane<T, 0>(zc, Wz, H2, W2, pool, oi + c * s_c, s_y, s_x, ic);
+  for (int64_t i = 0; i < N; ++i)
+    pool_image<T>(z + i * C * z_row, C, z_row, Wz, H2, W2, pool, out + (i / n) * out_group + (i % n) * out_img, s_c,
+                  s_y, s_x, idx + i * C * H2 * W2);
+}
+
+// cnn_shifted_gemm (the R output planes of P positions, bias added) then cnn_pool_relu, one image
+// at a time: its output planes (R·P values, 21 KB on the CIFAR net's first layer) stay in L1/L2
+// between the two instead of a buffer of every image's (MBs: written, then read back from L3).
+template <typename T>
+void cnn_conv_pool_relu(const T* src, int64_t src_img, const int64_t* off, int64_t Tn, const T* w, const T* bias,
+                        int64_t G, int64_t n, int64_t R, int64_t P, int64_t Wz, int64_t H2, int64_t W2, int64_t pool,
+                        T* out, int64_t out_group, int64_t out_img, int64_t s_c, int64_t s_y, int64_t s_x,
+                        int32_t* idx) {
+  std::vector<T> z(R * P);
+  for (int64_t g = 0; g < G; ++g) {
+    const T* wg = w + g * R * Tn;
+    const T* bg = bias ? bias + g * R : nullptr;
+    for (int64_t i = g * n; i < (g + 1) * n; ++i) {
+      gemm_all_rows<T>(src + i * src_img, off, Tn, wg, bg, R, P, z.data(), P);
+      pool_image<T>(z.data(), R, P, Wz, H2, W2, pool, out + g * out_group + (i - g * n) * out_img, s_c, s_y, s_x,
+                    idx + i * R * H2 * W2);
     }
   }
 }
@@ -299,6 +436,9 @@ PFLCORE_LEVEL_END
                                     int64_t, int64_t, int64_t, T*, T*);                                               \
   template void cnn_pool_relu<T>(const T*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,    \
                                  T*, int64_t, int64_t, int64_t, int64_t, int64_t, int32_t*);                          \
+  template void cnn_conv_pool_relu<T>(const T*, int64_t, const int64_t*, int64_t, const T*, const T*, int64_t,        \
+                                      int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, T*, int64_t,     \
+                                      int64_t, int64_t, int64_t, int64_t, int32_t*);                                  \
   template void cnn_pool_relu_backward<T>(const T*, const T*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,   \
                                           int64_t, int64_t, int64_t, int64_t, const int32_t*, T*, int64_t, int64_t);
 PFLCORE_LEVEL_BEGIN

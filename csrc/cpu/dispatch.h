@@ -64,6 +64,10 @@ template <typename T>
 using CnnPoolFn = void (*)(const T*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, T*,
                            int64_t, int64_t, int64_t, int64_t, int64_t, int32_t*);
 template <typename T>
+using CnnConvPoolFn = void (*)(const T*, int64_t, const int64_t*, int64_t, const T*, const T*, int64_t, int64_t, int64_t,
+                               int64_t, int64_t, int64_t, int64_t, int64_t, T*, int64_t, int64_t, int64_t, int64_t,
+                               int64_t, int32_t*);
+template <typename T>
 using CnnPoolBackFn = void (*)(const T*, const T*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                                int64_t, int64_t, int64_t, const int32_t*, T*, int64_t, int64_t);
 
@@ -88,6 +92,7 @@ struct KernelTable {
   Typed<CnnInputGradFn> cnn_input_grad;
   Typed<CnnCorrFn> cnn_shifted_corr;
   Typed<CnnPoolFn> cnn_pool_relu;
+  Typed<CnnConvPoolFn> cnn_conv_pool_relu;
   Typed<CnnPoolBackFn> cnn_pool_relu_backward;
   void (*dp_normals)(uint64_t, uint64_t, int64_t, double*);
   void (*anderson_solve)(const double*, int64_t, double, double*);

@@ -23,6 +23,7 @@ const KernelTable& level_table() {
     t.cnn_input_grad = {cnn_input_grad<float>, cnn_input_grad<double>};
     t.cnn_shifted_corr = {cnn_shifted_corr<float>, cnn_shifted_corr<double>};
     t.cnn_pool_relu = {cnn_pool_relu<float>, cnn_pool_relu<double>};
+    t.cnn_conv_pool_relu = {cnn_conv_pool_relu<float>, cnn_conv_pool_relu<double>};
     t.cnn_pool_relu_backward = {cnn_pool_relu_backward<float>, cnn_pool_relu_backward<double>};
     t.dp_normals = dp_normals;
     t.anderson_solve = anderson_solve;

@@ -18,7 +18,9 @@ Layout (N = c·n images, image i = g·n + r is row r of model g):
   read), Lz = Ho·Wp rounded up to 8.
 * Max-pooling then ReLU (they commute: relu(max z) = max(relu z); the gradient goes to the
   first maximal input of the window where the pooled value is > 0, as the module's) writes the
-  next layer's input planes in place, or, after the last conv layer, the flattened features
+  next layer's input planes in place (``conv_pool_relu``: the conv, then the pooling, image by
+  image, so z is never a buffer of every image's planes), or, after the last conv layer, the
+  flattened features
   ``[c, C·H·W, n]`` (the module's flatten order, rows last) of ``cnn_im2col.ChunkHead``'s dense
   layers.
 * Backward: the pooled gradient goes into ``dz [N, Cout, Lz]`` (zeros elsewhere, the garbage
@@ -30,7 +32,7 @@ Layout (N = c·n images, image i = g·n + r is row r of model g):
   zero-padded dz, multiplied zeros for every tap reaching past dz's borders: 2x the work on the
   CIFAR net's 10x10 second layer.)
 
-``TorchOps`` is the same five operations in torch (the reference the tests check the kernels
+``TorchOps`` is the same operations in torch (the reference the tests check the kernels
 against; also a chunk that runs anywhere, slowly). Determinism: a chunk runs on one thread and the
 kernels sum in a fixed order, so the bits do not depend on the thread count.
 """
@@ -136,6 +138,12 @@ class NativeOps:
         self.core.cnn_pool_relu(z.dtype is torch.float64, z.data_ptr(), N, C, z_row, wz, h2, w2, pool, n,
                                 out.data_ptr(), out_group, out_img, s_c, s_y, s_x, idx.data_ptr())
 
+    def conv_pool_relu(self, src, src_img, off, w, bias, G, n, R, P, wz, h2, w2, pool, out, out_group, out_img, s_c,
+                       s_y, s_x, idx):
+        self.core.cnn_conv_pool_relu(src.dtype is torch.float64, src.data_ptr(), src_img, off.data_ptr(), off.numel(),
+                                     w.data_ptr(), 0 if bias is None else bias.data_ptr(), G, n, R, P, wz, h2, w2, pool,
+                                     out.data_ptr(), out_group, out_img, s_c, s_y, s_x, idx.data_ptr())
+
     def pool_relu_backward(self, da, h, N, C, h2, w2, n, in_group, in_img, s_c, s_y, s_x, idx, dz, dz_row, front):
         self.core.cnn_pool_relu_backward(da.dtype is torch.float64, da.data_ptr(), h.data_ptr(), N, C, h2, w2, n,
                                          in_group, in_img, s_c, s_y, s_x, idx.data_ptr(), dz.data_ptr(), dz_row, front)
@@ -179,6 +187,12 @@ class TorchOps:
         idx.view(N, C, h2, w2).copy_((y * pool + arg // pool) * wz + x * pool + arg % pool)
         out.as_strided((N // n, n, C, h2, w2), (out_group, out_img, s_c, s_y, s_x)).copy_(
             m.relu().view(N // n, n, C, h2, w2))
+
+    def conv_pool_relu(self, src, src_img, off, w, bias, G, n, R, P, wz, h2, w2, pool, out, out_group, out_img, s_c,
+                       s_y, s_x, idx):
+        z = src.new_empty(G * n * R * P)
+        self.shifted_gemm(src, src_img, off, w, bias, G, n, R, P, z, R * P, P)
+        self.pool_relu(z, G * n, R, P, wz, h2, w2, pool, n, out, out_group, out_img, s_c, s_y, s_x, idx)
 
     def pool_relu_backward(self, da, h, N, C, h2, w2, n, in_group, in_img, s_c, s_y, s_x, idx, dz, dz_row, front):
         shape, strides = (N // n, n, C, h2, w2), (in_group, in_img, s_c, s_y, s_x)
@@ -252,11 +266,11 @@ class CNNChunk(cnn_im2col.ChunkHead):
         a = self._first_input(x)
         saved = []
         for j, (g, (Wk, b, _)) in enumerate(zip(self.geo, self.conv)):
-            z = x.new_empty(N * g.cout * g.lz)  # [N, Cout, Lz]
-            ops.shifted_gemm(a, g.cin * g.L, g.off_f, Wk, b, c, n, g.cout, g.lz, z, g.cout * g.lz, g.lz)
             idx = torch.empty(N * g.cout * g.h2 * g.w2, dtype=torch.int32, device=x.device)
             nxt, at, st = self._pool_target(j, n, x)
-            ops.pool_relu(z, N, g.cout, g.lz, g.wp, g.h2, g.w2, pool, n, at, *st, idx)
+            # the conv's output z [N, Cout, Lz] pooled image by image (conv_pool_relu: shifted_gemm
+            # then pool_relu, without a buffer of every image's planes)
+            ops.conv_pool_relu(a, g.cin * g.L, g.off_f, Wk, b, c, n, g.cout, g.lz, g.wp, g.h2, g.w2, pool, at, *st, idx)
             if keep:
                 saved.append((a, idx, at, st))
             a = nxt

@@ -140,6 +140,13 @@ template <typename T>
 void cnn_pool_relu(const T* z, int64_t N, int64_t C, int64_t z_row, int64_t Wz, int64_t H2, int64_t W2,
                    int64_t pool, int64_t n, T* out, int64_t out_group, int64_t out_img, int64_t s_c, int64_t s_y,
                    int64_t s_x, int32_t* idx);
+// cnn_shifted_gemm into planes of P values (out_row = P) then cnn_pool_relu (z_row = P, N = G·n,
+// C = R), one image at a time: the same values, without a buffer of every image's planes.
+template <typename T>
+void cnn_conv_pool_relu(const T* src, int64_t src_img, const int64_t* off /*[Tn]*/, int64_t Tn,
+                        const T* w /*[G, R, Tn]*/, const T* bias /*[G, R] or null*/, int64_t G, int64_t n, int64_t R,
+                        int64_t P, int64_t Wz, int64_t H2, int64_t W2, int64_t pool, T* out, int64_t out_group,
+                        int64_t out_img, int64_t s_c, int64_t s_y, int64_t s_x, int32_t* idx);
 // Its gradient: each of the N·C planes of dz_row values from dz is overwritten with zeros but
 // dz[i·C·dz_row + c·dz_row + front + idx] = da[same place as h] where h > 0.
 template <typename T>
