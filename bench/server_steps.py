@@ -25,6 +25,11 @@
     α is recomputed every ``alpha_every`` (default 10) rounds; its cost per round is also
     reported amortized over those rounds.
 
+    Precision: the gradients are float32, so the screened solve multiplies in float32 (rows shifted
+    by their group's mean; ``screened_weights``' ``products``). Its α is compared with the dense
+    float64 solve, beside the scale of the gradients' own rounding: α from the same gradients
+    computed in float64 against α from the float32 ones. ``products=torch.float64`` is also timed.
+
 Times are the best of ``--repeats`` runs (time.perf_counter). The 1-minute load average is
 recorded: this 2-core machine is shared, so timings are noisy.
 
@@ -90,11 +95,18 @@ def bench_perm(m, repeats):
     screened = perm_module.screened_weights(G, fed.train.sizes, lam_alpha)
     agreement = float((screened - dense).abs().max())
     same_support = bool(torch.equal(screened > 1e-12, dense > 1e-12))
+    # the scale of the float32 gradients' own rounding: α from float64 gradients at the same w̃
+    G64 = ops.gradients(model, W.double(), fed.train.to(None, torch.float64))
+    inherent = float((perm_module.water_filling(perm_module.pairwise_sqdist(G64), fed.train.sizes, lam_alpha)
+                      - dense).abs().max())
+    assert agreement <= 4 * inherent + 1e-12, (agreement, inherent)
     alpha_s = best_of(lambda: perm_module.mixing_weights(model, state.w, fed.train, lam_alpha), repeats)
     # the parts of mixing_weights, each alone (same calls as inside it), and the dense solve it replaced
     parts = {"gradients_s": best_of(lambda: ops.gradients(model, W, fed.train), repeats),
              "screened_weights_s": best_of(lambda: perm_module.screened_weights(G, fed.train.sizes, lam_alpha),
                                            repeats),
+             "screened_weights_float64_products_s": best_of(
+                 lambda: perm_module.screened_weights(G, fed.train.sizes, lam_alpha, products=torch.float64), repeats),
              "pairwise_sqdist_s": best_of(lambda: perm_module.pairwise_sqdist(G), repeats),
              "water_filling_s": best_of(lambda: perm_module.water_filling(D, fed.train.sizes, lam_alpha), repeats)}
     parts["dense_alpha_s"] = parts["gradients_s"] + parts["pairwise_sqdist_s"] + parts["water_filling_s"]
@@ -115,6 +127,7 @@ def bench_perm(m, repeats):
     active = float((state.alpha > 0).sum(1).double().mean())
     return {"m": m, "rows": fed.train.num_rows, "alpha_s": alpha_s, **parts,
             "screened_vs_dense_max_abs_diff": agreement, "screened_same_support": same_support,
+            "float64_vs_float32_gradients_max_abs_diff": inherent,
             "full_round_s": full_round_s, "ratio": alpha_s / full_round_s, "target_ratio": 0.5,
             "pass": alpha_s <= 0.5 * full_round_s, "ratio_dense": parts["dense_alpha_s"] / full_round_s,
             "shuffle_round_s": shuffle_s, "ratio_to_shuffle_round": alpha_s / shuffle_s,
@@ -136,9 +149,11 @@ def main():
           f" = {100 * cg['clustering_share']:.1f}% (target <= 10%): {'PASS' if cg['pass'] else 'FAIL'}")
     print(f"PERM, m = {pe['m']:,}: mixing weights {pe['alpha_s'] * 1e3:.1f} ms (gradients "
           f"{pe['gradients_s'] * 1e3:.1f}, screened distances + water-filling {pe['screened_weights_s'] * 1e3:.1f}; "
-          f"max|Δα| vs dense {pe['screened_vs_dense_max_abs_diff']:.1e}, same support: {pe['screened_same_support']})"
+          f"max|Δα| vs dense float64 {pe['screened_vs_dense_max_abs_diff']:.1e} (float64 vs float32 gradients: "
+          f"{pe['float64_vs_float32_gradients_max_abs_diff']:.1e}), same support: {pe['screened_same_support']})"
           f" vs a round of local steps of all m models {pe['full_round_s'] * 1e3:.1f} ms:"
           f" ratio {pe['ratio']:.2f} (target <= 0.5): {'PASS' if pe['pass'] else 'FAIL'}")
+    print(f"  the screened solve with float64 products: {pe['screened_weights_float64_products_s'] * 1e3:.1f} ms")
     print(f"  the dense solve: distances {pe['pairwise_sqdist_s'] * 1e3:.1f} + water-filling "
           f"{pe['water_filling_s'] * 1e3:.1f} + gradients = {pe['dense_alpha_s'] * 1e3:.1f} ms, ratio {pe['ratio_dense']:.2f}")
     print(f"  vs PERM's shuffling round, pairs with α = 0 skipped ({pe['mean_active_weights_per_client']:.1f} nonzero "

@@ -156,6 +156,23 @@ def test_water_fill_gram_equals_the_reference(dtype):
         torch.testing.assert_close(tau, block[at, own] / w[own], rtol=1e-12, atol=0)
 
 
+def test_water_fill_gram_refuses_indices_out_of_range():
+    """The native kernel writes through out_rows and cols: indices past ``out`` are a ValueError
+    naming the argument, never a write out of bounds."""
+    from pflcore import backend
+    gram, sq_r, sq_c, own, w, out_rows, cols, stride = _gram_cases()[2]
+    native = backend.select("water_fill_gram", None, w)
+    out = torch.zeros(out_rows.numel() + 2, stride, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"out_rows: expected indices in \[0, 19\)"):
+        native.water_fill_gram(gram, sq_r, sq_c, own, w, out, out_rows + 100, cols)
+    with pytest.raises(ValueError, match=r"cols: expected indices in \[0, 40\)"):
+        native.water_fill_gram(gram, sq_r, sq_c, own, w, out, out_rows, cols + 40)
+    with pytest.raises(ValueError, match=r"own: expected indices in \[0, 33\)"):
+        native.water_fill_gram(gram, sq_r, sq_c, own - 1000, w, out, out_rows, cols)
+    with pytest.raises(ValueError, match="out: expected a float64"):
+        native.water_fill_gram(gram, sq_r, sq_c, own, w, out.float(), out_rows, cols)
+
+
 def test_water_fill_gram_refuses_non_finite_costs():
     from pflcore import backend
     from pflcore.errors import NonFiniteError

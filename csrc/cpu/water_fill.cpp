@@ -112,7 +112,9 @@ void water_fill(const double* costs, int64_t r, int64_t k, const double* w, doub
         continue;
       }
       const double tau = row_level(c, w, inv_w.data(), k, Ac.data(), Aw.data());
-      for (int64_t j = 0; j < k; ++j) out[j] = c[j] < tau ? w[j] * (tau - c[j]) : 0.0;
+      // w·max(0, τ − c): 0 exactly where c ≥ τ, without a branch on the data
+#pragma omp simd
+      for (int64_t j = 0; j < k; ++j) out[j] = w[j] * std::max(0.0, tau - c[j]);
     }
   }
 }
@@ -144,7 +146,7 @@ void water_fill_gram(const T* gram, const double* sq_r, const double* sq_c, cons
       ci[own[i]] = 0.0;  // the row's own client: exactly 0
       const double tau = row_level(ci, w, inv_w.data(), k, Ac.data(), Aw.data());
       double* o = out + out_rows[i] * out_stride;
-      for (int64_t j = 0; j < k; ++j) o[cols[j]] = ci[j] < tau ? w[j] * (tau - ci[j]) : 0.0;
+      for (int64_t j = 0; j < k; ++j) o[cols[j]] = w[j] * std::max(0.0, tau - ci[j]);  // (no branch on the data)
       levels[i] = tau;
     }
   }

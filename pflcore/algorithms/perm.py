@@ -206,8 +206,11 @@ def _screened_weights(G: torch.Tensor, sizes: torch.Tensor, lam_alpha: float, ro
     k = max(1, min(int(clusters), m))
     gen = torch.Generator().manual_seed(0x5EED)
     omega = torch.randn(d, min(int(projection), d), generator=gen, dtype=torch.float64).to(Gc.device)
-    # (Ωᵀ Gcᵀ)ᵀ: MKL multiplies [m, d] by a narrow [d, 16] at ~4 GFLOP/s, the transposed product ~2.6× faster
-    labels = _farthest_point_labels(torch.mm(omega.T, Gc.T).T, k)
+    # (Ωᵀ Gᵀ)ᵀ: MKL multiplies [m, d] by a narrow [d, 16] at ~4 GFLOP/s, the transposed product ~2.6× faster;
+    # in float32 from float32 gradients (any labelling keeps the result exact; the labels only decide
+    # how much is screened)
+    Y = torch.mm(omega.T.to(G32.dtype), G32.T).T if low else torch.mm(omega.T, Gc.T).T
+    labels = _farthest_point_labels(Y, k)
     k = int(labels.max()) + 1
     count = torch.bincount(labels, minlength=k).to(torch.float64)
     mu = torch.zeros(k, d, dtype=torch.float64, device=Gc.device).index_add_(0, labels, Gc) / count[:, None]

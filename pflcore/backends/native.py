@@ -165,6 +165,7 @@ class NativeAdapter(Adapter):
         return alpha
 
     def water_fill_gram(self, gram, sq_r, sq_c, own, w, out, out_rows, cols):
+        _check_gram_block(gram, sq_r, sq_c, own, w, out, out_rows, cols)
         gram = gram.contiguous()
         sq_r, sq_c, w = sq_r.to(_F64).contiguous(), sq_c.to(_F64).contiguous(), w.to(_F64).contiguous()
         own, out_rows, cols = own.contiguous(), out_rows.contiguous(), cols.contiguous()
@@ -192,3 +193,23 @@ class NativeAdapter(Adapter):
         self._core.average(theta.dtype is _F64, theta.data_ptr(), M, d, weights.data_ptr(), _ptr(rows),
                            M if rows is None else rows.shape[0], out.data_ptr())
         return out
+
+
+def _check_gram_block(gram, sq_r, sq_c, own, w, out, out_rows, cols) -> None:
+    """The indices water_fill_gram writes through are in range (the kernel trusts them)."""
+    r, k = gram.shape
+    if gram.dtype not in (torch.float32, _F64) or sq_r.shape != (r,) or sq_c.shape != (k,) or w.shape != (k,) \
+            or own.shape != (r,) or out_rows.shape != (r,) or cols.shape != (k,):
+        raise ValueError(f"water_fill_gram: expected gram [r, k] float32/float64 with sq_r, own, out_rows [r] and "
+                         f"sq_c, w, cols [k], got gram {list(gram.shape)} {gram.dtype}, sq_r {list(sq_r.shape)}, "
+                         f"sq_c {list(sq_c.shape)}, w {list(w.shape)}, own {list(own.shape)}, "
+                         f"out_rows {list(out_rows.shape)}, cols {list(cols.shape)}")
+    if out.dtype is not _F64 or out.dim() != 2 or out.stride(1) != 1:
+        raise ValueError(f"water_fill_gram: out: expected a float64 [rows, m] with contiguous rows, got "
+                         f"{out.dtype} {list(out.shape)} strides {out.stride()}")
+    for name, idx, bound in (("own", own, k), ("out_rows", out_rows, out.shape[0]), ("cols", cols, out.shape[1])):
+        if idx.dtype is not torch.int64:
+            raise ValueError(f"water_fill_gram: {name}: expected int64 indices, got {idx.dtype}")
+        if idx.numel() and not (int(idx.min()) >= 0 and int(idx.max()) < bound):
+            raise ValueError(f"water_fill_gram: {name}: expected indices in [0, {bound}), got "
+                             f"[{int(idx.min())}, {int(idx.max())}]")
