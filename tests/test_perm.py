@@ -380,6 +380,17 @@ def test_screened_weights_float32_products_against_the_float64_solve(monkeypatch
     assert torch.equal(got[big] > 0, dense[big] > 0)
     torch.testing.assert_close(got.sum(1), torch.ones(G.shape[0], dtype=torch.float64), rtol=0, atol=1e-12)
     torch.testing.assert_close(screened_weights(G, n, lam, products=torch.float64), dense, rtol=1e-9, atol=1e-12)
+    # the groups solved by 2 and 3 worker threads (torch's thread count): bitwise the one-thread α
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = screened_weights(G, n, lam)
+        for t in (2, 3):
+            torch.set_num_threads(t)
+            assert torch.equal(screened_weights(G, n, lam), one), t
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.get_num_threads() == threads
     # where the levels are small against the group's spread (λ_α → 0: a client keeps its nearest
     # neighbours), the float32 rounding would matter: those groups are solved again in float64
     calls.clear()

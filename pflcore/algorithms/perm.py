@@ -30,6 +30,7 @@ process.
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional
 
@@ -150,9 +151,9 @@ def screened_weights(G: torch.Tensor, sizes: torch.Tensor, lam_alpha: float, row
     single clients: i itself (2λ_α/n_i) and the largest client j of its cluster a
     (c_ij + 2λ_α/n_j, c_ij ≤ (‖g_i − μ_a‖ + r_a)²). A cluster
     whose lower bound reaches that level holds only zero weights for client i (α_ij > 0 needs
-    c_ij < τ_i). The distances of the remaining pairs are computed exactly (the same centred
-    float64 Gram formula as ``pairwise_sqdist``, one GEMM per group of row clusters that need
-    the same column clusters) and water-filled over those columns; the others are 0. When
+    c_ij < τ_i). The distances of the remaining pairs are computed (the Gram formula of
+    ``pairwise_sqdist``, in the precision ``products`` says, one GEMM per group of row clusters
+    that need the same column clusters) and water-filled over those columns; the others are 0. When
     nothing can be screened (gradients without groups) this is the dense computation.
 
     ``products``: the precision of those GEMMs. ``None`` (default): that of the gradients —
@@ -170,22 +171,25 @@ def screened_weights(G: torch.Tensor, sizes: torch.Tensor, lam_alpha: float, row
     Each group's costs ‖y_i‖² + ‖y_j‖² − 2y_i·y_j are formed, water-filled and written into the
     output rows by one kernel call (the backend's ``water_fill_gram``).
 
-    It runs on one thread (torch's intra-op threads set to 1 for the call): its work is many
-    medium-sized ops, and with 2 threads on a 2-core machine shared with other processes they
-    took 1.18 s where one thread took 0.17 s (m = 2,000, bench/server_steps.py; the dense solve
-    took 0.41 s on 2 threads there).
+    Threads: every op runs on one thread (torch's intra-op threads set to 1 for the call): its
+    work is many medium-sized ops, and with 2 threads each on a 2-core machine shared with other
+    processes they took 1.18 s where one thread took 0.17 s (m = 2,000, bench/server_steps.py).
+    The groups are independent (each writes its own rows of the output), so with torch set to
+    t > 1 threads up to t groups are solved at once, one per worker thread, each on one thread:
+    every group's arithmetic is the same whichever thread runs it, so the result is bitwise
+    the same at any thread count.
 
     Returns float64 ``[r, m]`` (the rows ``rows``)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _screened_weights(G, sizes, lam_alpha, rows, clusters, projection, products)
+        return _screened_weights(G, sizes, lam_alpha, rows, clusters, projection, products, threads)
     finally:
         torch.set_num_threads(threads)
 
 
 def _screened_weights(G: torch.Tensor, sizes: torch.Tensor, lam_alpha: float, rows: slice, clusters: int,
-                      projection: int, products: Optional[torch.dtype]) -> torch.Tensor:
+                      projection: int, products: Optional[torch.dtype], workers: int = 1) -> torch.Tensor:
     if G.dim() != 2 or G.shape[0] < 1:
         raise ValueError(f"G: expected shape [m, d] with m >= 1, got {list(G.shape)}")
     m, d = G.shape
@@ -237,9 +241,11 @@ def _screened_weights(G: torch.Tensor, sizes: torch.Tensor, lam_alpha: float, ro
     patterns, group = _row_patterns(need)
     w = sizes.to(device=Gc.device, dtype=torch.float64) / (2.0 * lam)
     adapter = backend.select("water_fill_gram", None, w)
-    for g_idx in range(patterns.shape[0]):
-        r_idx = torch.nonzero(group == g_idx).flatten()  # ascending
-        cols = torch.nonzero(patterns[g_idx][labels]).flatten()  # ascending client ids
+    tasks = [(torch.nonzero(group == g_idx).flatten(),  # the group's rows (ascending)
+              torch.nonzero(patterns[g_idx][labels]).flatten())  # its columns: ascending client ids
+             for g_idx in range(patterns.shape[0])]
+
+    def solve(r_idx: torch.Tensor, cols: torch.Tensor) -> None:
         gi = r_idx + first
         every = cols.numel() == m
         some = None if every else cols
@@ -251,10 +257,24 @@ def _screened_weights(G: torch.Tensor, sizes: torch.Tensor, lam_alpha: float, ro
             gram, sq_r, sq_c, spread = _shifted_gram32(G32, gi, some)
             levels = adapter.water_fill_gram(gram, sq_r, sq_c, own, w_cols, out, r_idx, cols)
             if products is not None or spread <= 8.0 * float(levels.min()):
-                continue
+                return
             # the float32 rounding could be large against the levels: the group again in float64
         adapter.water_fill_gram(_gram(Gc, gi, some), sq[gi], sq if every else sq[cols], own, w_cols, out, r_idx,
                                 cols)
+
+    workers = max(1, min(int(workers), len(tasks)))
+    if workers == 1:
+        for r_idx, cols in tasks:
+            solve(r_idx, cols)
+    else:  # the largest groups first; each worker runs its ops (torch's, MKL's, the kernel's) on one thread
+        tasks.sort(key=lambda t: -t[0].numel() * t[1].numel())
+
+        def one_thread(task):
+            torch.set_num_threads(1)  # this worker's OpenMP threads (the kernel's) and MKL's: 1
+            solve(*task)
+
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            list(pool.map(one_thread, tasks))
     return out
 
 
