@@ -169,14 +169,23 @@ def test_the_command_prints_one_line_and_debug_shows_the_traceback(tmp_path):
     cfg = tmp_path / "exp.toml"
     cfg.write_text(TINY)
     (tmp_path / "bad.toml").write_text("rounds = = 3")
-    for argv in (["run", "bad.toml"], ["run", "exp.toml", "roundz=5"], ["run", "missing.toml"],
-                 ["run", "--algo", "nope"]):
-        got = subprocess.run(CLI + argv, cwd=tmp_path, capture_output=True, text=True, timeout=120)
-        assert got.returncode == 2 and got.stderr.count("\n") == 1, (argv, got.stderr)
-        assert got.stderr.startswith("pflcore: error: ") and "Traceback" not in got.stderr
-        debug = subprocess.run(CLI + argv + ["--debug"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
-        assert debug.returncode == 2 and "Traceback (most recent call last)" in debug.stderr
-        assert debug.stderr.rstrip().splitlines()[-1] == got.stderr.strip()
+    cases = (["run", "bad.toml"], ["run", "exp.toml", "roundz=5"], ["run", "missing.toml"], ["run", "--algo", "nope"])
+    # the 8 commands start at once (each is mostly the interpreter's and torch's start-up: ~3.5 s)
+    procs = [[subprocess.Popen(CLI + argv + extra, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True) for extra in ([], ["--debug"])] for argv in cases]
+    try:
+        for argv, pair in zip(cases, procs):
+            (_, err), (_, err_debug) = (p.communicate(timeout=120) for p in pair)
+            plain, debug = pair
+            assert plain.returncode == 2 and err.count("\n") == 1, (argv, err)
+            assert err.startswith("pflcore: error: ") and "Traceback" not in err
+            assert debug.returncode == 2 and "Traceback (most recent call last)" in err_debug
+            assert err_debug.rstrip().splitlines()[-1] == err.strip()
+    finally:  # none left running if one failed or hung
+        for p in (p for pair in procs for p in pair):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
 
 
 def test_overrides_parse_values():
