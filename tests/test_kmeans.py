@@ -290,3 +290,55 @@ def test_assign_few_centroids_huge_values_and_non_finite_rows(dtype):
     bad[23, 8] = float("nan")
     with pytest.raises(NonFiniteError, match=r"points: row 23 holds a NaN or infinite value"):
         ops.kmeans(bad, init=cen, iters=2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N", [96, 200, 1001])
+def test_small_assign_split_over_threads_is_bitwise_the_one_thread_result(N, dtype):
+    """A small call (N x K x d from 2^14 multiply-adds, N >= 96) is split over the threads in
+    blocks of 48 points: labels and distances bitwise those of one thread, and a NaN row is
+    still reported by the smallest bad index whichever thread meets it first."""
+    import pflcore
+    from pflcore.errors import NonFiniteError
+
+    g = torch.Generator().manual_seed(N)
+    pts = torch.randn(N, 60, generator=g, dtype=dtype)
+    cen = torch.randn(10, 60, generator=g, dtype=dtype)
+    cen[7] = cen[2]  # exact ties
+    bad = pts.clone()
+    bad[N - 3, 5] = float("nan")
+    bad[N // 2 + 1, 0] = float("inf")
+    before = torch.get_num_threads()
+    runs = []
+    try:
+        for threads in (1, 2):
+            pflcore.set_num_threads(threads)
+            runs.append(ops.kmeans_assign(pts, cen))
+            with pytest.raises(NonFiniteError, match=rf"points: row {N // 2 + 1} holds a NaN or infinite value"):
+                ops.kmeans_assign(bad, cen)
+    finally:
+        pflcore.set_num_threads(before)
+    (l1, s1), (l2, s2) = runs
+    assert torch.equal(l1, l2) and torch.equal(s1, s2)
+    want_l, want_s = brute_force(pts.numpy(), cen.numpy())
+    assert np.array_equal(l1.numpy(), want_l)
+
+
+def test_assign_fast_path_equals_the_general_path():
+    """Plain contiguous CPU tensors skip the conversions (ops/kmeans.py _plain_pair); numpy
+    arrays, a transposed view and a requires-grad tensor take the general path: same results."""
+    g = torch.Generator().manual_seed(5)
+    pts = torch.randn(150, 33, generator=g)
+    cen = torch.randn(9, 33, generator=g)
+    fast = ops.kmeans_assign(pts, cen)
+    via_numpy = ops.kmeans_assign(pts.numpy(), cen.numpy())
+    strided = ops.kmeans_assign(pts.t().contiguous().t(), cen)
+    grad = ops.kmeans_assign(pts.clone().requires_grad_(), cen)
+    for other in (strided, grad):
+        assert torch.equal(fast[0], other[0]) and torch.equal(fast[1], other[1])
+        assert not other[1].requires_grad
+    assert np.array_equal(fast[0].numpy(), via_numpy[0]) and np.array_equal(fast[1].numpy(), via_numpy[1])
+    with pytest.raises(ValueError, match=r"centroids: expected dtype float32"):
+        ops.kmeans_assign(pts, cen.double())
+    with pytest.raises(ValueError, match=r"centroids"):
+        ops.kmeans_assign(pts, cen[:, :5])
