@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "pflcore/checks.h"
@@ -75,31 +76,30 @@ inline Vec<T> load(const T* p) {
   return v;
 }
 
+// Lanes [Off, Off + N) of v as an N-lane vector, in registers (__builtin_shufflevector): the
+// memcpy of halves this replaces kept its argument in memory (GCC spilled ‖x‖²'s accumulator to
+// the stack inside the dot-product loop, and every reduction went through a store and reloads).
+template <int Off, typename V, std::size_t... I>
+inline auto lanes_of(const V& v, std::index_sequence<I...>) {
+  return __builtin_shufflevector(v, v, (Off + int(I))...);
+}
+
 // Σ of the lanes, by halves (the upper half added onto the lower) down to 16 bytes, then in order.
 template <typename T>
 inline T hsum(const Vec<T>& v) {
-  typedef T V16 __attribute__((vector_size(16)));
-  V16 h;
-  if constexpr (kVecBytes == 64) {
-    typedef T V32 __attribute__((vector_size(32)));
-    V32 lo, hi;
-    std::memcpy(&lo, &v, 32);
-    std::memcpy(&hi, reinterpret_cast<const char*>(&v) + 32, 32);
-    lo += hi;
-    V16 a, b;
-    std::memcpy(&a, &lo, 16);
-    std::memcpy(&b, reinterpret_cast<const char*>(&lo) + 16, 16);
-    h = a + b;
-  } else if constexpr (kVecBytes == 32) {
-    V16 a, b;
-    std::memcpy(&a, &v, 16);
-    std::memcpy(&b, reinterpret_cast<const char*>(&v) + 16, 16);
-    h = a + b;
-  } else {
-    std::memcpy(&h, &v, 16);
-  }
+  constexpr int L = kLanes<T>, L16 = int(16 / sizeof(T));
+  auto h = [&] {
+    if constexpr (kVecBytes == 64) {
+      const auto q = lanes_of<0>(v, std::make_index_sequence<L / 2>{}) + lanes_of<L / 2>(v, std::make_index_sequence<L / 2>{});
+      return lanes_of<0>(q, std::make_index_sequence<L16>{}) + lanes_of<L16>(q, std::make_index_sequence<L16>{});
+    } else if constexpr (kVecBytes == 32) {
+      return lanes_of<0>(v, std::make_index_sequence<L16>{}) + lanes_of<L16>(v, std::make_index_sequence<L16>{});
+    } else {
+      return v;
+    }
+  }();
   T s = h[0];
-  for (int l = 1; l < int(16 / sizeof(T)); ++l) s += h[l];
+  for (int l = 1; l < L16; ++l) s += h[l];
   return s;
 }
 
@@ -109,28 +109,21 @@ inline T hsum(const Vec<T>& v) {
 // by computing every distance directly.
 template <typename T>
 inline T hmin(const Vec<T>& v) {
-  typedef T V16 __attribute__((vector_size(16)));
-  V16 h;
-  if constexpr (kVecBytes == 64) {
-    typedef T V32 __attribute__((vector_size(32)));
-    V32 lo, hi;
-    std::memcpy(&lo, &v, 32);
-    std::memcpy(&hi, reinterpret_cast<const char*>(&v) + 32, 32);
-    lo = hi < lo ? hi : lo;
-    V16 a, b;
-    std::memcpy(&a, &lo, 16);
-    std::memcpy(&b, reinterpret_cast<const char*>(&lo) + 16, 16);
-    h = b < a ? b : a;
-  } else if constexpr (kVecBytes == 32) {
-    V16 a, b;
-    std::memcpy(&a, &v, 16);
-    std::memcpy(&b, reinterpret_cast<const char*>(&v) + 16, 16);
-    h = b < a ? b : a;
-  } else {
-    std::memcpy(&h, &v, 16);
-  }
+  constexpr int L = kLanes<T>, L16 = int(16 / sizeof(T));
+  auto smaller = [](auto a, auto b) { return b < a ? b : a; };
+  auto h = [&] {
+    if constexpr (kVecBytes == 64) {
+      const auto q = smaller(lanes_of<0>(v, std::make_index_sequence<L / 2>{}),
+                             lanes_of<L / 2>(v, std::make_index_sequence<L / 2>{}));
+      return smaller(lanes_of<0>(q, std::make_index_sequence<L16>{}), lanes_of<L16>(q, std::make_index_sequence<L16>{}));
+    } else if constexpr (kVecBytes == 32) {
+      return smaller(lanes_of<0>(v, std::make_index_sequence<L16>{}), lanes_of<L16>(v, std::make_index_sequence<L16>{}));
+    } else {
+      return v;
+    }
+  }();
   T s = h[0];
-  for (int l = 1; l < int(16 / sizeof(T)); ++l) s = h[l] < s ? h[l] : s;
+  for (int l = 1; l < L16; ++l) s = h[l] < s ? h[l] : s;
   return s;
 }
 
