@@ -400,15 +400,14 @@ PYBIND11_MODULE(_core, m) {
   });
   m.def("cnn_pool_relu_backward", [](bool f64, ptr_t da, ptr_t h, int64_t N, int64_t C, int64_t H2, int64_t W2,
                                      int64_t n, int64_t in_group, int64_t in_img, int64_t s_c, int64_t s_y, int64_t s_x,
-                                     ptr_t idx, ptr_t dz, int64_t dz_row, int64_t front) {
-    require(n >= 1 && N >= 0 && front >= 0 && dz_row >= front, "cnn_pool_relu_backward",
-            "expected n >= 1, 0 <= front <= dz_row");
+                                     ptr_t idx, ptr_t dz, int64_t dz_row) {
+    require(n >= 1 && N >= 0 && dz_row >= 0, "cnn_pool_relu_backward", "expected n >= 1, N >= 0, dz_row >= 0");
     py::gil_scoped_release nogil;
     const cpu::KernelTable& k = cpu::active();
     if (f64) k.cnn_pool_relu_backward.f64(as<const double>(da), as<const double>(h), N, C, H2, W2, n, in_group, in_img,
-                                          s_c, s_y, s_x, as<const int32_t>(idx), as<double>(dz), dz_row, front);
+                                          s_c, s_y, s_x, as<const int32_t>(idx), as<double>(dz), dz_row);
     else k.cnn_pool_relu_backward.f32(as<const float>(da), as<const float>(h), N, C, H2, W2, n, in_group, in_img,
-                                      s_c, s_y, s_x, as<const int32_t>(idx), as<float>(dz), dz_row, front);
+                                      s_c, s_y, s_x, as<const int32_t>(idx), as<float>(dz), dz_row);
   });
   m.def("water_fill", [](ptr_t costs, int64_t r, int64_t k, ptr_t w, ptr_t alpha) {
     require(r >= 0 && k >= 1 && costs && w && alpha, "water_fill", "expected r >= 0, k >= 1 and non-null buffers");

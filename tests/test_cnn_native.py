@@ -81,10 +81,9 @@ def test_input_grad_equals_the_reference(cout, cin, k, ho, wo, dtype):
 
 
 @pytest.mark.parametrize("pool", [1, 2, 3])
-@pytest.mark.parametrize("front", [0, 5])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("w2, planes", [(3, False), (11, False), (17, True), (8, True)])
-def test_pool_relu_and_its_gradient_equal_the_reference(pool, front, dtype, w2, planes):
+def test_pool_relu_and_its_gradient_equal_the_reference(pool, dtype, w2, planes):
     """Window rows of 3, 8, 11 and 17 (pool 2: whole vectors of windows, 4 or 8 lanes, and the
     rest one at a time), into features-like (columns n apart) or plane-like (contiguous) outputs."""
     N, C, n, h2 = 6, 3, 3, 4
@@ -116,11 +115,10 @@ def test_pool_relu_and_its_gradient_equal_the_reference(pool, front, dtype, w2, 
     da = torch.randn(N * C * h2 * w2, generator=g, dtype=dtype)
     dzs = []
     for ops in (NATIVE, REF):
-        dz = torch.full((N * C * (front + z_row),), float("nan"), dtype=dtype)  # every value overwritten
-        ops.pool_relu_backward(da, outs[0], N, C, h2, w2, n, *strides, idxs[0], dz, front + z_row, front)
+        dz = torch.full((N * C * z_row,), float("nan"), dtype=dtype)  # every value overwritten
+        ops.pool_relu_backward(da, outs[0], N, C, h2, w2, n, *strides, idxs[0], dz, z_row)
         dzs.append(dz)
     assert torch.equal(dzs[0], dzs[1])
-    assert bool(dzs[0].view(N * C, -1)[:, :front].eq(0).all())
     assert int((dzs[0] != 0).sum()) == int((outs[0] > 0).sum())  # one value per window whose output is > 0
 
 

@@ -401,25 +401,24 @@ void cnn_conv_pool_relu(const T* src, int64_t src_img, const int64_t* off, int64
 }
 
 // Every plane of dz (N·C planes of dz_row values from dz) is overwritten: zeros, but the gradient
-// at its windows' maxima (front + idx). Zeroing here, a plane at a time while it is in L1, instead
+// at its windows' maxima (idx). Zeroing here, a plane at a time while it is in L1, instead
 // of a zero-filled buffer from the caller: the buffers are a few MB (past L2), written twice before.
 template <typename T>
 void cnn_pool_relu_backward(const T* da, const T* h, int64_t N, int64_t C, int64_t H2, int64_t W2, int64_t n,
                             int64_t in_group, int64_t in_img, int64_t s_c, int64_t s_y, int64_t s_x,
-                            const int32_t* idx, T* dz, int64_t dz_row, int64_t front) {
+                            const int32_t* idx, T* dz, int64_t dz_row) {
   for (int64_t i = 0; i < N; ++i) {
     const int64_t base = (i / n) * in_group + (i % n) * in_img;
     for (int64_t c = 0; c < C; ++c) {
       T* plane = dz + (i * C + c) * dz_row;
       std::memset(plane, 0, sizeof(T) * dz_row);
-      T* dc = plane + front;
       const int32_t* ic = idx + ((i * C + c) * H2) * W2;
       for (int64_t y = 0; y < H2; ++y)
         for (int64_t x = 0; x < W2; ++x) {
           const int64_t o = base + c * s_c + y * s_y + x * s_x;
           // the ReLU's gradient, to the window's maximum (windows do not overlap: a store of 0
           // where h <= 0 keeps the zero, without a branch on the data)
-          dc[ic[y * W2 + x]] = h[o] > T(0) ? da[o] : T(0);
+          plane[ic[y * W2 + x]] = h[o] > T(0) ? da[o] : T(0);
         }
     }
   }
@@ -440,7 +439,7 @@ PFLCORE_LEVEL_END
                                       int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, T*, int64_t,     \
                                       int64_t, int64_t, int64_t, int64_t, int32_t*);                                  \
   template void cnn_pool_relu_backward<T>(const T*, const T*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,   \
-                                          int64_t, int64_t, int64_t, int64_t, const int32_t*, T*, int64_t, int64_t);
+                                          int64_t, int64_t, int64_t, int64_t, const int32_t*, T*, int64_t);
 PFLCORE_LEVEL_BEGIN
 PFLCORE_CNN_INSTANTIATE(float)
 PFLCORE_CNN_INSTANTIATE(double)

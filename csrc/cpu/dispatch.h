@@ -69,7 +69,7 @@ using CnnConvPoolFn = void (*)(const T*, int64_t, const int64_t*, int64_t, const
                                int64_t, int32_t*);
 template <typename T>
 using CnnPoolBackFn = void (*)(const T*, const T*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                               int64_t, int64_t, int64_t, const int32_t*, T*, int64_t, int64_t);
+                               int64_t, int64_t, int64_t, const int32_t*, T*, int64_t);
 
 template <typename T>
 using WaterFillGramFn = void (*)(const T*, const double*, const double*, const int64_t*, int64_t, int64_t,

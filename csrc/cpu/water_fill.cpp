@@ -84,22 +84,26 @@ inline double finite_probe(const double* c, int64_t k) {
   return probe;
 }
 
-bool weights_ok(const double* w, int64_t k, Faults& faults) {
-  for (int64_t j = 0; j < k; ++j)
+// The weights checked (finite, > 0) and their inverses 1/w_j into inv_w (row_level's
+// single-column levels c_j + 1/w_j); false, with the fault recorded, for a bad weight.
+bool inverse_weights(const double* w, int64_t k, std::vector<double>& inv_w, Faults& faults) {
+  inv_w.resize(static_cast<size_t>(k));
+  for (int64_t j = 0; j < k; ++j) {
     if (!(std::isfinite(w[j]) && w[j] > 0.0)) {
       faults.add(-1, std::isfinite(w[j]) ? FaultKind::Value : FaultKind::NonFinite,
                  "weights: expected finite positive weights, got weights[%lld] = %g", ll(j), w[j]);
       return false;
     }
+    inv_w[size_t(j)] = 1.0 / w[j];
+  }
   return true;
 }
 
 }  // namespace
 
 void water_fill(const double* costs, int64_t r, int64_t k, const double* w, double* alpha, Faults& faults) {
-  if (!weights_ok(w, k, faults)) return;
-  std::vector<double> inv_w(static_cast<size_t>(k));
-  for (int64_t j = 0; j < k; ++j) inv_w[size_t(j)] = 1.0 / w[j];
+  std::vector<double> inv_w;
+  if (!inverse_weights(w, k, inv_w, faults)) return;
 #pragma omp parallel if (r * k > (1 << 15))
   {
     std::vector<double> Ac(static_cast<size_t>(k)), Aw(static_cast<size_t>(k));
@@ -123,9 +127,8 @@ template <typename T>
 void water_fill_gram(const T* gram, const double* sq_r, const double* sq_c, const int64_t* own, int64_t r, int64_t k,
                      const double* w, double* out, int64_t out_stride, const int64_t* out_rows, const int64_t* cols,
                      double* levels, Faults& faults) {
-  if (!weights_ok(w, k, faults)) return;
-  std::vector<double> inv_w(static_cast<size_t>(k));
-  for (int64_t j = 0; j < k; ++j) inv_w[size_t(j)] = 1.0 / w[j];
+  std::vector<double> inv_w;
+  if (!inverse_weights(w, k, inv_w, faults)) return;
 #pragma omp parallel if (r * k > (1 << 15))
   {
     std::vector<double> c(static_cast<size_t>(k)), Ac(static_cast<size_t>(k)), Aw(static_cast<size_t>(k));

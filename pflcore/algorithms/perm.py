@@ -223,10 +223,10 @@ def _screened_weights(G: torch.Tensor, sizes: torch.Tensor, lam_alpha: float, ro
     radius = torch.zeros(k, dtype=torch.float64, device=Gc.device).scatter_reduce_(0, labels, own, "amax")
     # ‖g_i − μ_b‖ for the rows asked, by the Gram formula; its rounding (≤ ~1e-13 relative to the
     # norms) is covered by the slack below, which only ever keeps more clusters
-    r_sq = sq[first:stop]
-    to_mu = (r_sq[:, None] + (mu * mu).sum(dim=1)[None, :]).add_(torch.mm(mu, Gc[first:stop].T).T, alpha=-2.0)
+    r_sq, mu_sq = sq[first:stop], (mu * mu).sum(dim=1)
+    to_mu = (r_sq[:, None] + mu_sq[None, :]).add_(torch.mm(mu, Gc[first:stop].T).T, alpha=-2.0)
     to_mu.clamp_(min=0.0)
-    slack = 1e-9 * (r_sq[:, None] + (mu * mu).sum(dim=1)[None, :]) + 1e-300
+    slack = 1e-9 * (r_sq[:, None] + mu_sq[None, :]) + 1e-300
     lower = (to_mu.sqrt() - radius[None, :]).clamp_(min=0.0) ** 2 - slack  # [r, k]
     inv_w = 2.0 * lam / sizes.to(device=Gc.device, dtype=torch.float64)
     # upper bounds of τ_i: the level of client i alone (c_ii = 0), or of the client of its cluster
@@ -289,7 +289,7 @@ def _shifted_gram32(G32: torch.Tensor, rows: torch.Tensor, cols: Optional[torch.
     mu = C.mean(dim=0, dtype=torch.float64).to(torch.float32)
     Yc = C - mu if cols is None else C.sub_(mu)
     sq_c = (Yc * Yc).sum(dim=1, dtype=torch.float64)
-    if cols is not None and torch.equal(rows, cols):
+    if _same_clients(rows, cols, G32.shape[0]):
         return _products(Yc, Yc), sq_c, sq_c, float(sq_c.mean())
     Yr = G32.index_select(0, rows).sub_(mu)
     return _products(Yr, Yc), (Yr * Yr).sum(dim=1, dtype=torch.float64), sq_c, float(sq_c.mean())
@@ -310,12 +310,18 @@ def _row_patterns(need: torch.Tensor):
     return patterns, group
 
 
+def _same_clients(rows: torch.Tensor, cols: Optional[torch.Tensor], m: int) -> bool:
+    """Whether a group's rows are its columns (``cols`` None: all m clients): its Gram block is
+    then symmetric (``_products`` of one tensor with itself)."""
+    if cols is None:
+        return rows.numel() == m and torch.equal(rows, torch.arange(m, device=rows.device))
+    return torch.equal(rows, cols)
+
+
 def _gram(Gc: torch.Tensor, rows: torch.Tensor, cols: Optional[torch.Tensor]) -> torch.Tensor:
     """``Gc[rows] @ Gc[cols].T`` (``cols`` None: every row of Gc), a fresh ``[r, k]``."""
     right = Gc if cols is None else Gc[cols]
-    n = rows.numel()
-    same = right.shape[0] == n and torch.equal(rows, cols if cols is not None else torch.arange(n, device=rows.device))
-    return _products(right, right) if same else _products(Gc[rows], right)
+    return _products(right, right) if _same_clients(rows, cols, Gc.shape[0]) else _products(Gc[rows], right)
 
 
 def _products(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:

@@ -144,9 +144,9 @@ class NativeOps:
                                      w.data_ptr(), 0 if bias is None else bias.data_ptr(), G, n, R, P, wz, h2, w2, pool,
                                      out.data_ptr(), out_group, out_img, s_c, s_y, s_x, idx.data_ptr())
 
-    def pool_relu_backward(self, da, h, N, C, h2, w2, n, in_group, in_img, s_c, s_y, s_x, idx, dz, dz_row, front):
+    def pool_relu_backward(self, da, h, N, C, h2, w2, n, in_group, in_img, s_c, s_y, s_x, idx, dz, dz_row):
         self.core.cnn_pool_relu_backward(da.dtype is torch.float64, da.data_ptr(), h.data_ptr(), N, C, h2, w2, n,
-                                         in_group, in_img, s_c, s_y, s_x, idx.data_ptr(), dz.data_ptr(), dz_row, front)
+                                         in_group, in_img, s_c, s_y, s_x, idx.data_ptr(), dz.data_ptr(), dz_row)
 
 
 class TorchOps:
@@ -194,11 +194,11 @@ class TorchOps:
         self.shifted_gemm(src, src_img, off, w, bias, G, n, R, P, z, R * P, P)
         self.pool_relu(z, G * n, R, P, wz, h2, w2, pool, n, out, out_group, out_img, s_c, s_y, s_x, idx)
 
-    def pool_relu_backward(self, da, h, N, C, h2, w2, n, in_group, in_img, s_c, s_y, s_x, idx, dz, dz_row, front):
+    def pool_relu_backward(self, da, h, N, C, h2, w2, n, in_group, in_img, s_c, s_y, s_x, idx, dz, dz_row):
         shape, strides = (N // n, n, C, h2, w2), (in_group, in_img, s_c, s_y, s_x)
         hv, dav = h.as_strided(shape, strides).reshape(N, C, -1), da.as_strided(shape, strides).reshape(N, C, -1)
         dz[:N * C * dz_row].zero_()
-        dzv = dz[front:N * C * dz_row].as_strided((N, C, dz_row - front), (C * dz_row, dz_row, 1))
+        dzv = dz[:N * C * dz_row].view(N, C, dz_row)
         at = idx.view(N, C, -1).long()
         dzv.scatter_(2, at, torch.where(hv > 0, dav, dzv.gather(2, at)))
 
@@ -289,7 +289,7 @@ class CNNChunk(cnn_im2col.ChunkHead):
             g = self.geo[j]
             a, idx, h, st = self._saved[j]
             dz = x.new_empty(N * g.cout * g.lz)  # [N, Cout, Lz]: zeros but at the maxima
-            ops.pool_relu_backward(da, h, N, g.cout, g.h2, g.w2, n, *st, idx, dz, g.lz, 0)
+            ops.pool_relu_backward(da, h, N, g.cout, g.h2, g.w2, n, *st, idx, dz, g.lz)
             dW = x.new_empty(c, g.cout, g.cin * self.model.kernel_size ** 2)
             db = x.new_empty(c, g.cout)
             ops.shifted_corr(dz, g.cout * g.lz, g.lz, a, g.cin * g.L, g.off_f, c, n, g.cout, g.lz,

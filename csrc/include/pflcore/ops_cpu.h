@@ -148,11 +148,11 @@ void cnn_conv_pool_relu(const T* src, int64_t src_img, const int64_t* off /*[Tn]
                         int64_t P, int64_t Wz, int64_t H2, int64_t W2, int64_t pool, T* out, int64_t out_group,
                         int64_t out_img, int64_t s_c, int64_t s_y, int64_t s_x, int32_t* idx);
 // Its gradient: each of the N·C planes of dz_row values from dz is overwritten with zeros but
-// dz[i·C·dz_row + c·dz_row + front + idx] = da[same place as h] where h > 0.
+// dz[i·C·dz_row + c·dz_row + idx] = da[same place as h] where h > 0.
 template <typename T>
 void cnn_pool_relu_backward(const T* da, const T* h, int64_t N, int64_t C, int64_t H2, int64_t W2, int64_t n,
                             int64_t in_group, int64_t in_img, int64_t s_c, int64_t s_y, int64_t s_x,
-                            const int32_t* idx, T* dz, int64_t dz_row, int64_t front);
+                            const int32_t* idx, T* dz, int64_t dz_row);
 
 // PERM's water-filling (csrc/cpu/water_fill.cpp): alpha[i, j] = w[j]·max(0, τ_i − costs[i, j]), the
 // level τ_i such that the row sums to 1. Checks w (finite, > 0) and each row of costs (finite).
