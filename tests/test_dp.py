@@ -223,7 +223,7 @@ def test_epsilon_equals_dp_accountings_direct_computation():
     res = _run(A.FedAvg(lr=0.1, local_steps=2), Privacy(clip_norm=0.5, noise_multiplier=z), rounds=rounds, k=k)
     acc = dpa.pld.PLDAccountant(value_discretization_interval=1e-3)
     acc.compose(dpa.PoissonSampledDpEvent(k / N, dpa.GaussianDpEvent(z)), rounds)
-    assert res.history[-1]["epsilon"] == pytest.approx(acc.get_epsilon(1e-5), rel=1e-12)
+    assert res.history[-1]["epsilon"] == pytest.approx(acc.get_epsilon(1e-5), rel=1e-9)  # not bit-pinned (FFTs)
     assert res.history[0]["epsilon"] == 0.0
     eps = [row["epsilon"] for row in res.history]
     assert eps == sorted(eps) and eps[-1] > 0
@@ -233,7 +233,7 @@ def test_epsilon_equals_dp_accountings_direct_computation():
     from dp_accounting.privacy_accountant import NeighboringRelation
     acc = dpa.rdp.RdpAccountant(neighboring_relation=NeighboringRelation.REPLACE_ONE)
     acc.compose(dpa.SampledWithoutReplacementDpEvent(N, k, dpa.GaussianDpEvent(z / 2)), rounds)
-    assert res.history[-1]["epsilon"] == pytest.approx(acc.get_epsilon(1e-5), rel=1e-12)
+    assert res.history[-1]["epsilon"] == pytest.approx(acc.get_epsilon(1e-5), rel=1e-9)
 
 
 def test_two_releases_per_round_are_accounted():
@@ -242,9 +242,15 @@ def test_two_releases_per_round_are_accounted():
     fed = data.least_squares(num_clients=12, samples_per_client=20, dim=4, seed=0)
     res = pflcore.run(A.FedPi(eta=0.5, prox_steps=3), fed, models.LeastSquares(4, fit_intercept=False), rounds=3,
                       clients_per_round=6, progress=False, privacy=Privacy(clip_norm=1.0, noise_multiplier=2.0))
+    # z/√2 as 1/z² = Σ 1/z_i² computes it: 2/√2 rounds one ulp lower, and that ulp moved ε by
+    # 1.6e-12 relative on an AVX-512 machine (the PLD's FFTs), past a 1e-12 tolerance
+    z = (2.0 ** -2 + 2.0 ** -2) ** -0.5
+    assert z == pytest.approx(2.0 / math.sqrt(2), rel=1e-15)
     acc = dpa.pld.PLDAccountant(value_discretization_interval=1e-3)
-    acc.compose(dpa.PoissonSampledDpEvent(6 / 12, dpa.GaussianDpEvent(2.0 / math.sqrt(2))), 3)
-    assert res.history[-1]["epsilon"] == pytest.approx(acc.get_epsilon(1e-5), rel=1e-12)
+    acc.compose(dpa.PoissonSampledDpEvent(6 / 12, dpa.GaussianDpEvent(z)), 3)
+    # not bit-pinned: the PLD's FFTs round differently on other CPUs; a wrong multiplier, sampling
+    # rate or release count moves ε by far more than 1e-9
+    assert res.history[-1]["epsilon"] == pytest.approx(acc.get_epsilon(1e-5), rel=1e-9)
 
 
 def test_a_target_epsilon_is_met():

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "pflcore/ops_cpu.h"
+#include "pflcore/parallel.h"
 
 namespace pflcore::cpu {
 PFLCORE_LEVEL_BEGIN
@@ -25,8 +26,7 @@ void anderson_push(const T* u, const T* tu, T* R_hist, T* TU_hist, int64_t D, in
   std::vector<double> partial(nb * k, 0.0);
   T* r_new = R_hist + slot * D;
   T* tu_new = TU_hist + slot * D;
-#pragma omp parallel for schedule(static) if (nb > 1)
-  for (int64_t blk = 0; blk < nb; ++blk) {
+  parallel_for(nb > 1, 0, nb, 1, [&](int64_t blk) {
     const int64_t e0 = blk * kBlock, e1 = std::min(D, e0 + kBlock);
 #pragma omp simd
     for (int64_t e = e0; e < e1; ++e) {
@@ -40,7 +40,7 @@ void anderson_push(const T* u, const T* tu, T* R_hist, T* TU_hist, int64_t D, in
       for (int64_t e = e0; e < e1; ++e) acc += double(rj[e]) * double(r_new[e]);
       partial[blk * k + j] = acc;
     }
-  }
+  });
   for (int64_t j = 0; j < k; ++j) {
     double s = 0.0;
     for (int64_t blk = 0; blk < nb; ++blk) s += partial[blk * k + j];
@@ -51,8 +51,7 @@ void anderson_push(const T* u, const T* tu, T* R_hist, T* TU_hist, int64_t D, in
 template <typename T>
 void anderson_mix(const T* TU_hist, int64_t D, const int64_t* slots, const double* pi, int64_t k,
                   T* out) {
-#pragma omp parallel for schedule(static) if (D > kBlock)
-  for (int64_t e0 = 0; e0 < D; e0 += kBlock) {
+  parallel_for(D > kBlock, 0, D, kBlock, [&](int64_t e0) {
     const int64_t e1 = std::min(D, e0 + kBlock);
     double acc[kBlock];
     std::fill(acc, acc + (e1 - e0), 0.0);
@@ -63,7 +62,7 @@ void anderson_mix(const T* TU_hist, int64_t D, const int64_t* slots, const doubl
       for (int64_t e = e0; e < e1; ++e) acc[e - e0] += w * double(v[e]);
     }
     for (int64_t e = e0; e < e1; ++e) out[e] = T(acc[e - e0]);
-  }
+  });
 }
 
 template <typename T>
@@ -71,8 +70,7 @@ void gram(const T* vecs, int64_t k, int64_t D, double* G) {
   const int64_t nb = num_blocks(D);
   const int64_t pairs = k * (k + 1) / 2;
   std::vector<double> partial(nb * pairs, 0.0);
-#pragma omp parallel for schedule(static) if (nb > 1)
-  for (int64_t blk = 0; blk < nb; ++blk) {
+  parallel_for(nb > 1, 0, nb, 1, [&](int64_t blk) {
     const int64_t e0 = blk * kBlock, e1 = std::min(D, e0 + kBlock);
     int64_t q = 0;
     for (int64_t a = 0; a < k; ++a)
@@ -84,7 +82,7 @@ void gram(const T* vecs, int64_t k, int64_t D, double* G) {
         for (int64_t e = e0; e < e1; ++e) acc += double(va[e]) * double(vb[e]);
         partial[blk * pairs + q] = acc;
       }
-  }
+  });
   int64_t q = 0;
   for (int64_t a = 0; a < k; ++a)
     for (int64_t b = a; b < k; ++b, ++q) {

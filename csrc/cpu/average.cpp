@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "pflcore/ops_cpu.h"
+#include "pflcore/parallel.h"
 
 namespace pflcore::cpu {
 PFLCORE_LEVEL_BEGIN
@@ -34,8 +35,7 @@ void average(const T* theta, int64_t M, const T* weights, const int64_t* rows, i
   }
   const double inv = 1.0 / wsum;
   constexpr int64_t kCols = 256;
-#pragma omp parallel for schedule(static) if (R * d > 262144)
-  for (int64_t j0 = 0; j0 < d; j0 += kCols) {
+  parallel_for(R * d > 262144, 0, d, kCols, [&](int64_t j0) {
     const int64_t j1 = std::min(d, j0 + kCols);
     double acc[kCols] = {0.0};
     for (int64_t r = 0; r < R; ++r) {
@@ -45,7 +45,7 @@ void average(const T* theta, int64_t M, const T* weights, const int64_t* rows, i
       for (int64_t j = j0; j < j1; ++j) acc[j - j0] += w * double(th[j]);
     }
     for (int64_t j = j0; j < j1; ++j) out[j] = T(acc[j - j0] * inv);
-  }
+  });
   // A NaN/inf in a row read makes the mean non-finite (finite rows cannot overflow a float64
   // sum): only then look for the row, in order.
   if (!all_finite(out, d)) {

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "pflcore/ops_cpu.h"
+#include "pflcore/parallel.h"
 
 namespace pflcore::cpu {
 PFLCORE_LEVEL_BEGIN
@@ -268,12 +269,11 @@ void clip_and_sum(const T* updates, int64_t R, int64_t d, const T* weights, doub
   }
   const double* sum = top.finish();
   const int64_t blocks = (d + 3) / 4;
-#pragma omp parallel for schedule(static) if (d > 16384 && noise_std > 0.0)
-  for (int64_t b = 0; b < blocks; ++b) {
+  parallel_for(d > 16384 && noise_std > 0.0, 0, blocks, 1, [&](int64_t b) {
     double n[4] = {0.0, 0.0, 0.0, 0.0};
     if (noise_std > 0.0) normals4(uint64_t(b), seed, counter, n);
     for (int64_t j = 4 * b; j < std::min(d, 4 * b + 4); ++j) out[j] = sum[j] + noise_std * n[j - 4 * b];
-  }
+  });
 }
 
 void dp_normals(uint64_t seed, uint64_t counter, int64_t n, double* out) {
