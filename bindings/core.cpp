@@ -340,7 +340,7 @@ PYBIND11_MODULE(_core, m) {
   m.def("cnn_shifted_gemm", [](bool f64, ptr_t src, int64_t src_img, ptr_t off, int64_t Tn, ptr_t w,
                                ptr_t bias, int64_t G, int64_t n, int64_t R, int64_t P, ptr_t out, int64_t out_img,
                                int64_t out_row) {
-    require(P % 8 == 0 && Tn >= 1 && G >= 0 && n >= 0 && R >= 0, "cnn_shifted_gemm", "expected P % 8 == 0, Tn >= 1");
+    require(P % 16 == 0 && Tn >= 1 && G >= 0 && n >= 0 && R >= 0, "cnn_shifted_gemm", "expected P % 16 == 0, Tn >= 1");
     py::gil_scoped_release nogil;
     const cpu::KernelTable& k = cpu::active();
     if (f64) k.cnn_shifted_gemm.f64(as<const double>(src), src_img, as<const int64_t>(off), Tn, as<const double>(w),
@@ -351,9 +351,9 @@ PYBIND11_MODULE(_core, m) {
   m.def("cnn_input_grad", [](bool f64, ptr_t dz, int64_t dz_img, int64_t dz_row, ptr_t wt, int64_t G, int64_t n,
                              int64_t Cout, int64_t Cin, int64_t k, int64_t Wp, int64_t P, int64_t Qv, ptr_t dx,
                              int64_t dx_img, int64_t dx_row) {
-    require(P % 8 == 0 && P <= dz_row && Cout >= 1 && k >= 1 && G >= 0 && n >= 0 && Cin >= 0 && Qv >= 0 && Qv <= P &&
+    require(P % 16 == 0 && P <= dz_row && Cout >= 1 && k >= 1 && G >= 0 && n >= 0 && Cin >= 0 && Qv >= 0 && Qv <= P &&
                 Qv + (k - 1) * (Wp + 1) <= dx_row,
-            "cnn_input_grad", "expected P % 8 == 0, P <= dz_row, Qv <= P, Qv + (k - 1)(Wp + 1) <= dx_row");
+            "cnn_input_grad", "expected P % 16 == 0, P <= dz_row, Qv <= P, Qv + (k - 1)(Wp + 1) <= dx_row");
     py::gil_scoped_release nogil;
     const cpu::KernelTable& kt = cpu::active();
     if (f64) kt.cnn_input_grad.f64(as<const double>(dz), dz_img, dz_row, as<const double>(wt), G, n, Cout, Cin, k, Wp,
@@ -363,7 +363,7 @@ PYBIND11_MODULE(_core, m) {
   });
   m.def("cnn_shifted_corr", [](bool f64, ptr_t a, int64_t a_img, int64_t a_row, ptr_t src, int64_t src_img, ptr_t off,
                                int64_t Tn, int64_t G, int64_t n, int64_t R, int64_t P, ptr_t dw, ptr_t db) {
-    require(P % 8 == 0 && Tn >= 1 && G >= 0 && n >= 0 && R >= 0, "cnn_shifted_corr", "expected P % 8 == 0, Tn >= 1");
+    require(P % 16 == 0 && Tn >= 1 && G >= 0 && n >= 0 && R >= 0, "cnn_shifted_corr", "expected P % 16 == 0, Tn >= 1");
     py::gil_scoped_release nogil;
     const cpu::KernelTable& k = cpu::active();
     if (f64) k.cnn_shifted_corr.f64(as<const double>(a), a_img, a_row, as<const double>(src), src_img,
@@ -386,9 +386,9 @@ PYBIND11_MODULE(_core, m) {
                                  int64_t G, int64_t n, int64_t R, int64_t P, int64_t Wz, int64_t H2, int64_t W2,
                                  int64_t pool, ptr_t out, int64_t out_group, int64_t out_img, int64_t s_c, int64_t s_y,
                                  int64_t s_x, ptr_t idx) {
-    require(P % 8 == 0 && Tn >= 1 && G >= 0 && n >= 1 && R >= 0 && pool >= 1 && H2 >= 0 && W2 >= 0 &&
+    require(P % 16 == 0 && Tn >= 1 && G >= 0 && n >= 1 && R >= 0 && pool >= 1 && H2 >= 0 && W2 >= 0 &&
                 W2 * pool <= Wz && (H2 == 0 || W2 == 0 || (H2 * pool - 1) * Wz + W2 * pool <= P),
-            "cnn_conv_pool_relu", "expected P % 8 == 0, Tn >= 1, n >= 1, pool >= 1, every window inside the P positions");
+            "cnn_conv_pool_relu", "expected P % 16 == 0, Tn >= 1, n >= 1, pool >= 1, every window inside the P positions");
     py::gil_scoped_release nogil;
     const cpu::KernelTable& k = cpu::active();
     if (f64) k.cnn_conv_pool_relu.f64(as<const double>(src), src_img, as<const int64_t>(off), Tn, as<const double>(w),

@@ -20,8 +20,8 @@ def _gen(seed):
     return torch.Generator().manual_seed(seed)
 
 
-@pytest.mark.parametrize("R, Tn, P", [(1, 1, 8), (3, 5, 16), (4, 9, 24), (6, 25, 40), (7, 13, 56), (2, 7, 104),
-                                     (5, 26, 200), (9, 4, 48), (16, 150, 144)])
+@pytest.mark.parametrize("R, Tn, P", [(1, 1, 16), (3, 5, 16), (4, 9, 32), (6, 25, 48), (7, 13, 64), (2, 7, 112),
+                                     (5, 26, 208), (9, 4, 48), (16, 150, 144)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_shifted_gemm_and_corr_equal_the_reference(R, Tn, P, dtype):
     G, n, src_img = 2, 3, max(50, P)
@@ -55,7 +55,7 @@ def test_input_grad_equals_the_reference(cout, cin, k, ho, wo, dtype):
     GEMM's taps (any count), positions not a multiple of 3 vectors, planes with gaps."""
     G, n = 2, 3
     wp = wo + k - 1
-    P = -(-ho * wp // 8) * 8
+    P = -(-ho * wp // 16) * 16
     qv = (ho - 1) * wp + wo
     dz_row, dx_row = P + 3, (ho + k - 1) * wp + 5  # wider than needed: every value of dx's plane is written
     g = _gen(cout * 100 + k)
@@ -160,7 +160,7 @@ def test_conv_pool_relu_equals_the_gemm_then_the_pooling(R, k, pool, wz, ho, dty
     G, n, cin = 3, 2, 2
     hp = ho + k - 1
     L = hp * wz
-    P = -(-ho * wz // 8) * 8
+    P = -(-ho * wz // 16) * 16
     h2, w2 = ho // pool, (wz - k + 1) // pool
     g = _gen(R * 10 + k)
     src = torch.randn(G * n * cin * L + 64, generator=g, dtype=dtype)
@@ -193,7 +193,7 @@ def test_conv_pool_relu_refuses_windows_past_its_positions():
     idx = torch.zeros(64, dtype=torch.int32)
     off, w = torch.zeros(1, dtype=torch.int64), torch.zeros(1, 1, 1)
     NATIVE.conv_pool_relu(src, 64, off, w, None, 1, 1, 1, 64, 8, 4, 4, 2, out, 16, 16, 16, 4, 1, idx)
-    for bad in ((64, 8, 5, 4, 2), (60, 8, 4, 4, 2), (64, 8, 4, 5, 2), (64, 8, 4, 4, 0)):  # rows, P % 8, columns, pool
+    for bad in ((64, 8, 5, 4, 2), (60, 8, 4, 4, 2), (64, 8, 4, 5, 2), (64, 8, 4, 4, 0)):  # rows, P % 16, columns, pool
         P, wz, h2, w2, pool = bad
         with pytest.raises(ValueError, match="^cnn_conv_pool_relu: "):
             NATIVE.conv_pool_relu(src, 64, off, w, None, 1, 1, 1, P, wz, h2, w2, pool, out, 16, 16, 16, 4, 1, idx)

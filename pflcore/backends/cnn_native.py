@@ -11,11 +11,11 @@ a GEMM whose right-hand rows are shifted views of the input, and ran each op at 
 Layout (N = c·n images, image i = g·n + r is row r of model g):
 
 * A layer's input: ``[N, Cin, L]`` planes of the padded image (Hp rows of Wp values, zero
-  borders) in a flat run of L = Hp·Wp rounded up to 8, then ``_SLACK`` zeros after the last
+  borders) in a flat run of L = Hp·Wp rounded up to 16, then ``_SLACK`` zeros after the last
   image (a wide output row's last vector reads a few values past its plane). The first layer
   without padding reads the gathered data rows as they are (L = H·W: no copy; ``rows_buffer``).
 * Its output ``z [N, Cout, Lz]``: Ho rows of Wp values (columns x >= Wo are garbage, never
-  read), Lz = Ho·Wp rounded up to 8.
+  read), Lz = Ho·Wp rounded up to 16 (a whole number of vectors at any level's width).
 * Max-pooling then ReLU (they commute: relu(max z) = max(relu z); the gradient goes to the
   first maximal input of the window where the pooled value is > 0, as the module's) writes the
   next layer's input planes in place (``conv_pool_relu``: the conv, then the pooling, image by
@@ -47,12 +47,13 @@ from pflcore.backends import cnn_im2col
 from pflcore.models.nets import CNN
 
 # Values read past the last plane of a layer's input: a wide output row's last vector reaches up to
-# k + 6 values beyond the padded image (any kernel size up to _SLACK - 8).
+# k + 14 values beyond the padded image with 16-lane vectors (any kernel size up to _SLACK - 16).
 _SLACK = 64
 
 
-def _up8(v: int) -> int:
-    return -(-v // 8) * 8
+def _up16(v: int) -> int:
+    """A whole number of vectors of positions at any level's width (8 or 16 floats)."""
+    return -(-v // 16) * 16
 
 
 class Layer(NamedTuple):
@@ -78,11 +79,11 @@ def layers(model: CNN) -> List[Layer]:
     out = []
     for j, cout in enumerate(model.channels):
         hp, wp = H + 2 * pad, W + 2 * pad
-        L = hp * wp if (j == 0 and pad == 0) else _up8(hp * wp)  # raw data rows in the first layer
+        L = hp * wp if (j == 0 and pad == 0) else _up16(hp * wp)  # raw data rows in the first layer
         ho, wo = hp - k + 1, wp - k + 1
         taps = torch.tensor([i * wp + jj for i in range(k) for jj in range(k)], dtype=torch.int64)
         off_f = (torch.arange(cin, dtype=torch.int64)[:, None] * L + taps).reshape(-1)
-        out.append(Layer(cin, cout, pad, wp, L, ho, _up8(ho * wp), ho // pool, wo // pool, (ho - 1) * wp + wo, off_f))
+        out.append(Layer(cin, cout, pad, wp, L, ho, _up16(ho * wp), ho // pool, wo // pool, (ho - 1) * wp + wo, off_f))
         cin, H, W = cout, ho // pool, wo // pool
     return out
 
@@ -108,8 +109,8 @@ def _has_slack(x: torch.Tensor) -> bool:
 
 def supports(model: CNN) -> bool:
     """Whether the wide layout serves ``model``: a wide output row's last vector reads up to
-    ``kernel_size + 7`` values past its plane, which the ``_SLACK`` zeros must cover."""
-    return model.kernel_size + 8 <= _SLACK
+    ``kernel_size + 15`` values past its plane (16-lane vectors), which the ``_SLACK`` zeros must cover."""
+    return model.kernel_size + 16 <= _SLACK
 
 
 # ---- the five operations: native, and the torch reference ---------------------------------------
