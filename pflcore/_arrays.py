@@ -70,6 +70,9 @@ def to_tensor(value, name: str) -> Tuple[_Tensor, Kind]:
         if not (value.is_cpu or value.is_cuda):
             raise ValueError(f"{name}: tensors on device {value.device.type!r} are not served by any "
                              f"backend (pflcore runs on 'cpu' and 'cuda' tensors)")
+        if value.layout is not torch.strided:
+            raise ValueError(f"{name}: expected a dense (strided) tensor, got layout {value.layout} "
+                             f"(convert it with .to_dense())")
         return value, TORCH
     if isinstance(value, np.ndarray):  # np.memmap too (a subclass)
         writable = value.flags.writeable

@@ -342,3 +342,15 @@ def test_assign_fast_path_equals_the_general_path():
         ops.kmeans_assign(pts, cen.double())
     with pytest.raises(ValueError, match=r"centroids"):
         ops.kmeans_assign(pts, cen[:, :5])
+
+
+def test_sparse_tensors_are_refused_with_a_value_error():
+    """A sparse (non-strided) tensor is a ValueError naming the argument, on the fast path's
+    checks and the general path's alike (it used to be torch's RuntimeError from .contiguous())."""
+    pts, cen = torch.randn(6, 3), torch.randn(2, 3)
+    for call, name in ((lambda: ops.kmeans_assign(pts.to_sparse(), cen), "points"),
+                       (lambda: ops.kmeans_assign(pts, cen.to_sparse()), "centroids"),
+                       (lambda: ops.kmeans(pts.to_sparse(), 2), "points"),
+                       (lambda: ops.average(pts.to_sparse(), torch.ones(6)), "theta")):
+        with pytest.raises(ValueError, match=rf"^{name}: expected a dense \(strided\) tensor"):
+            call()

@@ -31,7 +31,7 @@ from pflcore.ops import _compile
 from pflcore.ops._args import IN_ALGORITHM, refuse_inside_algorithm, same_device
 
 _ONE_PROCESS = Comm()
-_Tensor, _F32, _F64 = torch.Tensor, torch.float32, torch.float64
+_Tensor, _F32, _F64, _STRIDED = torch.Tensor, torch.float32, torch.float64, torch.strided
 
 
 def _points(points, name="points"):
@@ -76,7 +76,8 @@ def _plain_pair(points, centroids) -> bool:
         return False
     ps, cs = points.shape, centroids.shape
     return (len(ps) == 2 and len(cs) == 2 and ps[0] >= 1 and ps[1] >= 1 and cs[0] >= 1 and cs[1] == ps[1]
-            and points.is_cpu and centroids.is_cpu and not points.requires_grad and not centroids.requires_grad
+            and points.is_cpu and centroids.is_cpu and points.layout is _STRIDED and centroids.layout is _STRIDED
+            and not points.requires_grad and not centroids.requires_grad
             and points.is_contiguous() and centroids.is_contiguous())
 
 
