@@ -205,8 +205,12 @@ void kmeans_lloyd(const T* points, const T* weights, int64_t N, int64_t K, int64
       }
   const Chunking ch(N, K, d);
   const bool parallel = N * K * d > (1 << 18);
-  const int64_t stride = K * d + K;  // a chunk's buffer: sums [K, d], then weights [K]
-  std::vector<double> part(static_cast<size_t>(ch.count * stride)), total(static_cast<size_t>(stride));
+  // a chunk's buffer: sums [K, dp], then weights [K]; each cluster's row padded to whole cache
+  // lines and the buffers cache-line aligned, so that the sums' vector adds never straddle two
+  // lines (the padding stays 0 and is never read)
+  const int64_t dp = (d + 7) / 8 * 8;
+  const int64_t stride = (K * dp + K + 7) / 8 * 8;
+  aligned_vector<double> part(static_cast<size_t>(ch.count * stride)), total(static_cast<size_t>(stride));
   std::vector<double> inertia_of(static_cast<size_t>(ch.count)), xnorm(static_cast<size_t>(N));
   std::vector<int64_t> changed_of(size_t(ch.count));
   const double scale = tol > 0 && N > 1 ? total_variance(points, N, d, ch, parallel) : 0.0;
@@ -222,13 +226,13 @@ void kmeans_lloyd(const T* points, const T* weights, int64_t N, int64_t K, int64
 #pragma omp for schedule(dynamic, 1)
       for (int64_t c = 0; c < ch.count; ++c) {
         double* acc = part.data() + c * stride;
-        double* wacc = acc + K * d;
+        double* wacc = acc + K * dp;
         if (sums) std::fill(acc, acc + stride, 0.0);
         double inertia = 0.0;
         int64_t changed = 0;
         auto single = [&](int64_t i, int64_t k, const T* x, const T* cen) PFLCORE_INLINE_LAMBDA {
           // unweighted sums: the distance and the sum in one pass over x
-          return sums && !weights ? sqdist_direct_and_add(x, cen, d, acc + k * d) : sqdist_direct(x, cen, d);
+          return sums && !weights ? sqdist_direct_and_add(x, cen, d, acc + k * dp) : sqdist_direct(x, cen, d);
         };
         assign_range(points, c * ch.size, std::min(N, (c + 1) * ch.size), pk, xnorm.data(), !first, dots, faults,
                      single, [&](int64_t i, int64_t k, T dist, bool via_single) PFLCORE_INLINE_LAMBDA {
@@ -240,7 +244,7 @@ void kmeans_lloyd(const T* points, const T* weights, int64_t N, int64_t K, int64
                        wacc[k] += w;
                        if (via_single && !weights) return;  // summed by `single`
                        const T* x = points + i * d;
-                       double* a = acc + k * d;
+                       double* a = acc + k * dp;
                        if (weights) {
 #pragma omp simd
                          for (int64_t j = 0; j < d; ++j) a[j] += w * double(x[j]);
@@ -280,12 +284,12 @@ void kmeans_lloyd(const T* points, const T* weights, int64_t N, int64_t K, int64
     // shift as the reference measures it (the difference in T, squared in float64)
     double shift = 0.0;
     for (int64_t k = 0; k < K; ++k) {
-      const double w = total[size_t(K * d + k)];
+      const double w = total[size_t(K * dp + k)];
       if (!(w > 0.0)) continue;
       const double inv = 1.0 / w;
       T* c = centroids + k * d;
       for (int64_t j = 0; j < d; ++j) {
-        const T next = T(total[size_t(k * d + j)] * inv);
+        const T next = T(total[size_t(k * dp + j)] * inv);
         const double e = double(T(next - c[j]));
         shift += e * e;
         c[j] = next;

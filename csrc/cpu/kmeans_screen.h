@@ -22,6 +22,7 @@
 #include <utility>
 #include <vector>
 
+#include "pflcore/aligned.h"
 #include "pflcore/checks.h"
 
 #if defined(__SSE2__)
@@ -292,8 +293,10 @@ template <typename T>
 struct Packed {
   const T* rows = nullptr;     // [K, d] the caller's centroids (the direct distances read them)
   int64_t K = 0, d = 0, nv = 0, Kpad = 0;
-  std::vector<T> ct;           // [d, Kpad] transposed, zero-padded
-  std::vector<T> cn2;          // [Kpad] ‖c_k‖² in T; +inf in the padding (never the minimum)
+  // (cache-line aligned: the screens load whole vectors from these at multiples of the vector
+  // width; see pflcore/aligned.h)
+  aligned_vector<T> ct;        // [d, Kpad] transposed, zero-padded
+  aligned_vector<T> cn2;       // [Kpad] ‖c_k‖² in T; +inf in the padding (never the minimum)
   double cnmax = 0;            // max_k ‖c_k‖
   // |fl(x·c) − x·c| ≤ γ_d Σ|x_j c_j| for any summation order (FMA or not), γ_d ≈ d·u; the
   // direct sums' error is as small relative to (‖x‖ + ‖c‖)²; 10% and 4 roundings of slack.
@@ -303,7 +306,7 @@ struct Packed {
   // L coordinates, interleaved [ceil(d/L)][KB][L] (the last block holds coordinates d − L .. d),
   // so that one pointer and constant offsets reach all of them; ct is then left empty.
   int64_t KB = 0;
-  std::vector<T> cv;
+  aligned_vector<T> cv;
 
   void pack(const T* c, int64_t K_, int64_t d_) {
     constexpr int L = kLanes<T>;
