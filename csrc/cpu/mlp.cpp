@@ -20,6 +20,7 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
+#include "pflcore/aligned.h"
 
 namespace pflcore::cpu {
 PFLCORE_LEVEL_BEGIN
@@ -33,7 +34,7 @@ using minibatch::avx512::first_lanes;
 constexpr int kRows = 4;  // rows per block
 
 struct MlpWorkspace {
-  std::vector<float> A1, G1, N1, A2, G2, N2, A2T, hidden, dh;
+  aligned_vector<float> A1, G1, N1, A2, G2, N2, A2T, hidden, dh;  // cache-line aligned (pflcore/aligned.h)
   void prepare(int64_t p, int64_t HP, int64_t H) {
     grow(A1, (p + 1) * HP);
     grow(G1, (p + 1) * HP);
@@ -45,7 +46,7 @@ struct MlpWorkspace {
     grow(hidden, kRows * HP);
     grow(dh, kRows * HP);
   }
-  static void grow(std::vector<float>& v, int64_t n) {
+  static void grow(aligned_vector<float>& v, int64_t n) {
     if (static_cast<int64_t>(v.size()) < n) v.resize(n);
   }
   static MlpWorkspace& local() {
