@@ -62,9 +62,10 @@ void kmeans_assign(const T* points, const T* centroids, int64_t N, int64_t K, in
   pk.pack(centroids, K, d);
   // Each point's label and distance are its own: any split of the points gives the same bits.
   // Below ~2^14 multiply-adds the call is not worth waking the thread team; above it, blocks
-  // small enough that each thread gets two. A 200 x 60, K = 10 call in a loop of calls: ~6.4 µs
-  // on one thread, ~4.8 on two (the wake-up of the other thread is most of the rest: it costs
-  // more than it saves where libgomp has already put that thread to sleep).
+  // small enough that each thread gets two. At 200 x 60, K = 10 the split is a wash (AMD Zen 5):
+  // one thread 4.7 µs a kernel call; two threads ~4.8 µs in one loop of Python calls, 7.5 µs in a
+  // tight loop of kernel calls (the other thread's wake-up from libgomp's sleep); in the peer
+  // benchmark's loop, level with one thread.
   const int threads = omp_threads();
   const bool parallel = threads > 1 && N >= 96 && N * K * d > (1 << 14);
   const int64_t block =

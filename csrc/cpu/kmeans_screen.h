@@ -85,22 +85,26 @@ inline auto lanes_of(const V& v, std::index_sequence<I...>) {
   return __builtin_shufflevector(v, v, (Off + int(I))...);
 }
 
+// v folded by halves down to 16 bytes, each step op(lower half, upper half), in registers.
+template <typename T, typename Op>
+inline auto fold_to_16(const Vec<T>& v, Op op) {
+  constexpr int L = kLanes<T>, L16 = int(16 / sizeof(T));
+  if constexpr (kVecBytes == 64) {
+    const auto q = op(lanes_of<0>(v, std::make_index_sequence<L / 2>{}), lanes_of<L / 2>(v, std::make_index_sequence<L / 2>{}));
+    return op(lanes_of<0>(q, std::make_index_sequence<L16>{}), lanes_of<L16>(q, std::make_index_sequence<L16>{}));
+  } else if constexpr (kVecBytes == 32) {
+    return op(lanes_of<0>(v, std::make_index_sequence<L16>{}), lanes_of<L16>(v, std::make_index_sequence<L16>{}));
+  } else {
+    return v;
+  }
+}
+
 // Σ of the lanes, by halves (the upper half added onto the lower) down to 16 bytes, then in order.
 template <typename T>
 inline T hsum(const Vec<T>& v) {
-  constexpr int L = kLanes<T>, L16 = int(16 / sizeof(T));
-  auto h = [&] {
-    if constexpr (kVecBytes == 64) {
-      const auto q = lanes_of<0>(v, std::make_index_sequence<L / 2>{}) + lanes_of<L / 2>(v, std::make_index_sequence<L / 2>{});
-      return lanes_of<0>(q, std::make_index_sequence<L16>{}) + lanes_of<L16>(q, std::make_index_sequence<L16>{});
-    } else if constexpr (kVecBytes == 32) {
-      return lanes_of<0>(v, std::make_index_sequence<L16>{}) + lanes_of<L16>(v, std::make_index_sequence<L16>{});
-    } else {
-      return v;
-    }
-  }();
+  const auto h = fold_to_16<T>(v, [](auto lo, auto hi) { return lo + hi; });
   T s = h[0];
-  for (int l = 1; l < L16; ++l) s += h[l];
+  for (int l = 1; l < int(16 / sizeof(T)); ++l) s += h[l];
   return s;
 }
 
@@ -110,21 +114,9 @@ inline T hsum(const Vec<T>& v) {
 // by computing every distance directly.
 template <typename T>
 inline T hmin(const Vec<T>& v) {
-  constexpr int L = kLanes<T>, L16 = int(16 / sizeof(T));
-  auto smaller = [](auto a, auto b) { return b < a ? b : a; };
-  auto h = [&] {
-    if constexpr (kVecBytes == 64) {
-      const auto q = smaller(lanes_of<0>(v, std::make_index_sequence<L / 2>{}),
-                             lanes_of<L / 2>(v, std::make_index_sequence<L / 2>{}));
-      return smaller(lanes_of<0>(q, std::make_index_sequence<L16>{}), lanes_of<L16>(q, std::make_index_sequence<L16>{}));
-    } else if constexpr (kVecBytes == 32) {
-      return smaller(lanes_of<0>(v, std::make_index_sequence<L16>{}), lanes_of<L16>(v, std::make_index_sequence<L16>{}));
-    } else {
-      return v;
-    }
-  }();
+  const auto h = fold_to_16<T>(v, [](auto lo, auto hi) { return hi < lo ? hi : lo; });
   T s = h[0];
-  for (int l = 1; l < L16; ++l) s = h[l] < s ? h[l] : s;
+  for (int l = 1; l < int(16 / sizeof(T)); ++l) s = h[l] < s ? h[l] : s;
   return s;
 }
 
