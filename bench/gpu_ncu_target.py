@@ -1,7 +1,8 @@
 """The kernels Nsight Compute profiles for bench/h100.sh: ``local_steps`` (cuda) at m = 20,000
 clients of bench/gpu.py's workload (lognormal sizes, mean 350 rows; Softmax(60, 10); K = 5
 steps), full batch and B = 20: a warm-up call, then one call of each (``ncu --launch-skip 1
---launch-count 2 --kernel-name regex:glm_kernel``)."""
+--launch-count 2 --kernel-name regex:glm_``: the warp kernel for this
+shape, glm_warp_kernel)."""
 from __future__ import annotations
 
 import os

@@ -98,6 +98,22 @@ def median_call(fn, cfg: Config, calls: int = 300) -> float:
     return harness.time_runs(fn, calls, sync=lambda: sync(cfg.device), warmup=10).median
 
 
+def block_kernel_time(fn, cfg: Config, setup=lambda: None) -> float:
+    """``best_of(fn)`` on the cuda backend with PFLCORE_CUDA_GLM=block: glm.cu's block kernel for
+    every shape (the warp kernel's A/B in the same process)."""
+    import os
+    before = os.environ.get("PFLCORE_CUDA_GLM")
+    os.environ["PFLCORE_CUDA_GLM"] = "block"
+    try:
+        with backend.use("cuda"):
+            return best_of(fn, cfg, setup)
+    finally:
+        if before is None:
+            del os.environ["PFLCORE_CUDA_GLM"]
+        else:
+            os.environ["PFLCORE_CUDA_GLM"] = before
+
+
 # ---- 1. local_steps --------------------------------------------------------------------------
 
 def make_clients(cfg: Config, m: int, seed: int = 0) -> pflcore.ClientData:
@@ -177,6 +193,9 @@ def bench_local_steps(cfg: Config, m: int, bw: float, peak: float, data=None, ba
                 continue
             results[name] = best_of(lambda: ops.local_steps(model, theta, data, **kw), cfg, setup)
             out[f"{name}_s"] = results[name]
+    if "cuda" in results:  # the block kernel of glm.cu, which the warp kernel replaced for small models
+        out["cuda_block_kernel_s"] = block_kernel_time(lambda: ops.local_steps(model, theta, data, **kw), cfg, setup)
+        out["block_over_warp_kernel_time"] = out["cuda_block_kernel_s"] / results["cuda"]
     theta_sub = theta0[sub].clone()
     with backend.use("reference"):
         t_ref = best_of(lambda: ops.local_steps_ref(model, theta_sub, data, rows=sub, **kw_sub), cfg,
@@ -227,6 +246,9 @@ def bench_evaluate(cfg: Config, data, bw: float) -> Dict:
                 continue
             times[name] = best_of(lambda: ops.evaluate(model, theta, data), cfg)
             out[f"{name}_s"] = times[name]
+    if "cuda" in times:
+        out["cuda_block_kernel_s"] = block_kernel_time(lambda: ops.evaluate(model, theta, data), cfg)
+        out["block_over_warp_kernel_time"] = out["cuda_block_kernel_s"] / times["cuda"]
     t_ref = best_of(lambda: ops.evaluate_ref(model, theta[sub], data, rows=sub), cfg, repeats=min(3, cfg.repeats))
     out["reference_s"] = t_ref * m / sub.numel()
     if cfg.kernel in times:
@@ -457,10 +479,13 @@ def table_rows(res: Dict) -> List[Dict]:
             r.get("speedup_vs_reference"), 10.0, "x")
         add(f"{tag}: {k} speed-up vs cuBLAS on the same products", r.get("speedup_vs_cublas_same_products"), None, "x")
         add(f"{tag}: triton time / {k} time", r.get("triton_over_cuda_time"), None, "x")
+        add(f"{tag}: block kernel time / warp kernel time", r.get("block_over_warp_kernel_time"), None, "x")
     ev = res.get("evaluate")
     if ev:
         add_time(f"evaluate m={ev['m']:,} ({ev['N']:,} rows): {k} time", ev.get(f"{k}_s"), 50e-3)
         add(f"evaluate m={ev['m']:,}: {k} speed-up vs torch reference", ev.get("speedup_vs_reference"), None, "x")
+        add(f"evaluate m={ev['m']:,}: block kernel time / warp kernel time", ev.get("block_over_warp_kernel_time"),
+            None, "x")
     kms = res["kmeans_assign"]
     for km in (kms if isinstance(kms, list) else [kms]):
         add(f"kmeans_assign N={km['N']:,} K={km['K']} d={km['d']:,}: {k} speed-up vs cdist+argmin",

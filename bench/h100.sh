@@ -5,15 +5,15 @@
 # Logs and results go to $OUT (8 files at most come back). Each stage has its own time limit so
 # that one hang leaves the others' results. Run from the repository root:
 #   PFLCORE_GIT_COMMIT=$(git rev-parse HEAD) bash bench/h100.sh
-# All stages take ~12 minutes: over one call's 10. Split them, e.g. STAGES="build tests san" in a
-# first call and STAGES="build bench fed ncu" in a second (each call starts a bare machine).
+# Stages: build, san + tests (side by side, ~4 minutes), bench (~1.5), over (~0.5), fed (~1), ncu
+# (~0.5): about 8 minutes, within one call's 10 with the limits below; STAGES picks some of them.
 set -u
 OUT=${OUT:-/tmp/h100-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=python3
 T0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
-STAGES=${STAGES:-"build tests san bench fed ncu"}
+STAGES=${STAGES:-"build tests san bench over fed ncu"}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 
 {
@@ -35,45 +35,54 @@ has() { [[ " $STAGES " == *" $1 "* ]]; }
 } > "$OUT/info.log" 2>&1
 cat "$OUT/info.log" | tail -25
 
-# tests/gpu alone first (it needs the GPU's attention: ~4 minutes with 10 workers), then the three
-# sanitizers side by side. TESTS_LIMIT / SAN_LIMIT: each stage's seconds.
-if has tests; then
-  stamp "tests/gpu"
-  timeout ${TESTS_LIMIT:-300} $PY -P -m pytest tests/gpu -q -rfs -p no:cacheprovider -n 10 --durations=15 \
-    --junitxml="$OUT/tests.xml" > "$OUT/tests.log" 2>&1
-  echo "pytest rc=$?" >> "$OUT/tests.log"
-  grep -v "Benchmark\|warner" "$OUT/tests.log" | tail -30
-fi
-
+# tests/gpu (xdist workers) and the three sanitizers, each on its own pytest-xdist workers, side by
+# side: the GPU runs them all at once (the sanitizers' slowness is per process, on the CPU), so
+# the stage takes as long as the slowest of them. TESTS_LIMIT / SAN_LIMIT: each one's seconds.
 if has san; then
-  stamp "compute-sanitizer memcheck, racecheck, synccheck (in parallel)"
   # only pflcore's kernels are instrumented (torch's run unchecked): when this sanitizer knows the filter
   FILTER=""; compute-sanitizer --help 2>&1 | grep -q -- "--kernel-name " && FILTER="--kernel-name kns=pflcore"
   echo "sanitizer filter: ${FILTER:-none}"
-  # every CUDA op on the odd shapes of test_ops_gpu, and the paths only larger shapes take
-  SAN_K="(test_ops_gpu and cuda and not triton) or (test_cuda_scale and (odd_shapes or global_scratch or unpadded or larger_than_shared or grid_dimension))"
+  # every CUDA op on the odd shapes of test_ops_gpu, both GLM kernels, the value screen, and the
+  # paths only larger shapes take
+  SAN_K="(test_ops_gpu and cuda and not triton) or test_cuda_screen or (test_cuda_scale and (both_glm_kernels or odd_shapes or global_scratch or unpadded or larger_than_shared or grid_dimension))"
   for tool in memcheck racecheck synccheck; do
     (
       extra=""; [ $tool = memcheck ] && extra="--leak-check no"
       # memcheck: every tensor its own cudaMalloc, so that a read past a scratch buffer is caught
       [ $tool = memcheck ] && export PYTORCH_NO_CUDA_MEMORY_CACHING=1
-      timeout ${SAN_LIMIT:-300} compute-sanitizer --tool $tool $extra $FILTER --print-limit 20 \
-        $PY -P -m pytest tests/gpu/test_ops_gpu.py tests/gpu/test_cuda_scale.py -q -rf -p no:cacheprovider -k "$SAN_K" \
-        > /tmp/san_$tool.log 2>&1
+      # the workers are child processes: compute-sanitizer follows them (--target-processes all)
+      timeout ${SAN_LIMIT:-300} compute-sanitizer --tool $tool $extra $FILTER --target-processes all --print-limit 20 \
+        $PY -P -m pytest $(ls tests/gpu/test_ops_gpu.py tests/gpu/test_cuda_scale.py tests/gpu/test_cuda_screen.py 2>/dev/null) \
+        -q -rf -p no:cacheprovider -n ${SAN_WORKERS:-3} -k "$SAN_K" > /tmp/san_$tool.log 2>&1
       echo "compute-sanitizer $tool rc=$?" >> /tmp/san_$tool.log
     ) &
   done
+fi
+if has tests; then
+  stamp "tests/gpu"
+  timeout ${TESTS_LIMIT:-300} $PY -P -m pytest tests/gpu -q -rfs -p no:cacheprovider -n ${TEST_WORKERS:-6} --durations=15 \
+    --junitxml=/tmp/tests.xml > "$OUT/tests.log" 2>&1
+  echo "pytest rc=$?" >> "$OUT/tests.log"
+  grep -v "Benchmark\|warner" "$OUT/tests.log" | tail -30
+fi
+if has san; then
+  stamp "waiting for the sanitizers"
   wait
   for tool in memcheck racecheck synccheck; do
     echo "===== $tool (first 150 lines)"; head -150 /tmp/san_$tool.log; echo "===== $tool (last 25 lines)"; tail -25 /tmp/san_$tool.log
   done > "$OUT/sanitize.log"
-  grep -h "ERROR SUMMARY\|rc=\|passed\|failed\|FAILED" /tmp/san_*.log
+  grep -h "ERROR SUMMARY\|rc=\|passed\|failed\|FAILED" /tmp/san_*.log | sort | uniq -c
 fi
 
 if has bench; then
   stamp "bench/gpu.py"
-  timeout 110 $PY -P bench/gpu.py --out "$OUT/gpu-h100.json" > "$OUT/bench.log" 2>&1; echo "gpu.py rc=$?" >> "$OUT/bench.log"
+  timeout ${BENCH_LIMIT:-110} $PY -P bench/gpu.py ${BENCH_ARGS:-} --out "$OUT/gpu-h100.json" > "$OUT/bench.log" 2>&1; echo "gpu.py rc=$?" >> "$OUT/bench.log"
   tail -40 "$OUT/bench.log"
+fi
+if has over; then
+  stamp "bench/gpu_overheads.py"
+  timeout 60 $PY -P bench/gpu_overheads.py --out "$OUT/gpu_overheads.json" > /tmp/over.log 2>&1; echo "gpu_overheads.py rc=$?" >> /tmp/over.log
+  cat /tmp/over.log >> "$OUT/bench.log"; tail -14 /tmp/over.log
 fi
 if has fed; then
   stamp "bench/gpu_federation.py"
@@ -84,7 +93,7 @@ if has fed; then
 fi
 if has ncu; then
   stamp "ncu"
-  timeout 45 ncu --clock-control none --kernel-name regex:glm_kernel --launch-skip 1 --launch-count 2 \
+  timeout 45 ncu --clock-control none --kernel-name regex:glm_ --launch-skip 1 --launch-count 2 \
     --section SpeedOfLight --metrics launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active,dram__bytes_read.sum,dram__bytes_write.sum \
     $PY -P bench/gpu_ncu_target.py > "$OUT/ncu.txt" 2>&1
   echo "ncu rc=$?" >> "$OUT/ncu.txt"

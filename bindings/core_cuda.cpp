@@ -68,6 +68,13 @@ int64_t average_scratch(int64_t R, int64_t d);
 template <typename T>
 cudaError_t average(const void* theta, const void* weights, const int64_t* rows, int64_t R, int64_t d,
                     const double* wsum, void* out, double* scratch, cudaStream_t stream);
+// csrc/cuda/screen.cu
+template <typename T>
+cudaError_t glm_screen(const void* theta, int64_t n_theta, const void* anchor, int64_t n_anchor,
+                       const void* grad_scale, int64_t n_grad_scale, const void* x, const void* y, bool classifier,
+                       int64_t num_classes, int64_t N, int64_t p, const int64_t* offsets, int64_t m,
+                       const int64_t* rows, int64_t R, const int32_t* batches, int64_t n_batches, int32_t* flag,
+                       int* host_flag, cudaStream_t stream);
 // csrc/cuda/sample_batches.cu
 cudaError_t sample_batches(const int64_t* offsets, const int64_t* clients, int64_t first_id, int64_t R,
                            int64_t steps, int64_t B, uint32_t seed, uint32_t counter, int32_t* out,
@@ -405,6 +412,48 @@ void average(ptr_t theta, ptr_t weights, ptr_t rows, int64_t M, int64_t d, int64
     check(err, op);
 }
 
+// ---- GLM value screen ----------------------------------------------------------------------
+
+// Nonzero when a local_steps / gradients / evaluate call may hold a fault (csrc/cuda/screen.cu);
+// synchronizes `stream`. Counts are element counts; 0 addresses are absent tensors.
+int glm_screen(ptr_t theta, int64_t n_theta, ptr_t anchor, int64_t n_anchor, ptr_t grad_scale, int64_t n_grad_scale,
+               ptr_t x, ptr_t y, bool classifier, int64_t num_classes, int64_t N, int64_t p, ptr_t offsets, int64_t m,
+               ptr_t rows, int64_t R, ptr_t batches, int64_t n_batches, ptr_t flag, const std::string& dtype,
+               ptr_t stream) {
+    const std::string op = "glm_screen";
+    const bool f64 = is_f64(dtype, op);
+    require(n_theta >= 0 && n_anchor >= 0 && n_grad_scale >= 0 && N >= 0 && p >= 0 && m >= 0 && R >= 0 &&
+                n_batches >= 0,
+            op, "sizes must be >= 0");
+    require(rows != 0 || R == m || R == 0, op, "without rows, R must be m");
+    require(n_batches == 0 || R == 0 || n_batches % R == 0, op, "n_batches must be a multiple of R");
+    if (n_theta) require_pointer(theta, op, "theta");
+    if (n_anchor) require_pointer(anchor, op, "anchor");
+    if (n_grad_scale) require_pointer(grad_scale, op, "grad_scale");
+    if (N) {
+        require_pointer(x, op, "x");
+        require_pointer(y, op, "y");
+    }
+    if (n_batches) require_pointer(batches, op, "batches");
+    require_pointer(offsets, op, "offsets");
+    require_pointer(flag, op, "flag");
+    int found = 0;
+    cudaError_t err;
+    {
+        py::gil_scoped_release nogil;
+        err = f64 ? pc::glm_screen<double>(as(theta), n_theta, as(anchor), n_anchor, as(grad_scale), n_grad_scale,
+                                           as(x), as(y), classifier, num_classes, N, p, as<const int64_t>(offsets), m,
+                                           as<const int64_t>(rows), R, as<const int32_t>(batches), n_batches,
+                                           as<int32_t>(flag), &found, as_stream(stream))
+                  : pc::glm_screen<float>(as(theta), n_theta, as(anchor), n_anchor, as(grad_scale), n_grad_scale,
+                                          as(x), as(y), classifier, num_classes, N, p, as<const int64_t>(offsets), m,
+                                          as<const int64_t>(rows), R, as<const int32_t>(batches), n_batches,
+                                          as<int32_t>(flag), &found, as_stream(stream));
+    }
+    check(err, op);
+    return found;
+}
+
 // ---- module info ---------------------------------------------------------------------------
 
 int device_count() {
@@ -534,6 +583,19 @@ PYBIND11_MODULE(_core_cuda, m) {
           "values.");
     m.def("average_scratch", &average_scratch, py::arg("R"), py::arg("d"),
           "float64 values of the scratch average needs (per-chunk partial sums).");
+    m.def("glm_screen", &glm_screen, py::arg("theta"), py::arg("n_theta"), py::arg("anchor"), py::arg("n_anchor"),
+          py::arg("grad_scale"), py::arg("n_grad_scale"), py::arg("x"), py::arg("y"), py::arg("classifier"),
+          py::arg("num_classes"), py::arg("N"), py::arg("p"), py::arg("offsets"), py::arg("m"), py::arg("rows"),
+          py::arg("R"), py::arg("batches"), py::arg("n_batches"), py::arg("flag"), py::arg("dtype"),
+          py::arg("stream"),
+          "Nonzero when a local_steps / gradients / evaluate call may hold a fault (a conservative screen: "
+          "the exact checks decide): a NaN or inf in theta, anchor, grad_scale (n_* elements of dtype, 0 = "
+          "none), a row (rows [R] int64, or 0: R = m) outside [0, m) or whose client (offsets [m + 1] int64) "
+          "is not a non-empty range in [0, N), a batch index (batches int32, n_batches elements [R, ...], 0 = "
+          "none) outside its row's client, and in the rows read (all of them without batches or with "
+          "n_batches >= N, else the batch rows) a NaN or inf of x [N, p] or a label y [N] outside "
+          "[0, num_classes) (int64, classifier) / a NaN or inf y (dtype). flag: [1] int32 device scratch. "
+          "Synchronizes the stream (one host read).");
     m.def("device_count", &device_count,
           "Number of visible CUDA devices; 0 when there is none or no usable driver.");
     m.def("runtime_status", &runtime_status,

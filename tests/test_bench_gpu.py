@@ -25,6 +25,16 @@ def test_without_a_gpu_it_says_so_and_exits_0(tmp_path):
     assert not out.exists(), "nothing measured, nothing written"
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the script measures")
+def test_the_overheads_benchmark_without_a_gpu_says_so_and_exits_0(tmp_path):
+    out = tmp_path / "over.json"
+    r = subprocess.run([sys.executable, os.path.join(BENCH, "gpu_overheads.py"), "--out", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "no CUDA device" in r.stdout
+    assert not out.exists()
+
+
 def test_table_rows_apply_the_targets():
     res = {"kernel_backend": "cuda",
            "small_call": {"cuda_s": 140e-6},

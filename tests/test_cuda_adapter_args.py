@@ -29,6 +29,8 @@ class _Module:
 
     def __init__(self, scratch_rows=0):
         self.calls = []
+        self.screens = []  # (launches before it, args) of each glm_screen call
+        self.screen_result = 1  # flag every call: the exact checks decide, on CPU tensors
         self.scratch_rows_asked = 0
         self._scratch_rows = scratch_rows
 
@@ -40,6 +42,10 @@ class _Module:
     def glm_scratch_rows(self, family, p, C, intercept, dtype):
         self.scratch_rows_asked += 1
         return self._scratch_rows
+
+    def glm_screen(self, *args):
+        self.screens.append((len(self.calls), args))
+        return self.screen_result
 
     def kmeans_update_scratch(self, N, K, d):
         return 1000 * N + 10 * K + d
@@ -158,6 +164,75 @@ def test_local_steps_scratch_is_sized_by_the_module(adapter, rows_needed, R, exp
         assert a["scratch"].t.numel() == expect * model.d and a["scratch"].t.dtype == torch.float64
     else:
         assert a["scratch"] is None
+
+
+_SCREEN = ["theta", "n_theta", "anchor", "n_anchor", "grad_scale", "n_grad_scale", "x", "y", "classifier",
+           "num_classes", "N", "p", "offsets", "m", "rows", "R", "batches", "n_batches", "flag", "dtype", "stream"]
+
+
+@pytest.mark.parametrize("family", ["softmax", "logistic", "least_squares"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_an_untrusted_glm_call_is_one_screen_call_before_its_launch(adapter, monkeypatch, family, dtype):
+    """The module's glm_screen, once per call and before the launch, with every tensor by its
+    name and size; a clean screen (0) runs no exact pass, a trusted call no screen at all."""
+    monkeypatch.setattr(_values, "glm_fault", lambda *a: pytest.fail("the torch screen ran"))
+    monkeypatch.setattr(_cuda._faults, "glm_fault", lambda *a: pytest.fail("the exact pass ran on a clean screen"))
+    adapter.module.screen_result = 0
+    model = make_model(family, 4, 3, l2=0.1)
+    data = make_data(model, [3, 5, 2], dtype, seed=1)
+    rows = torch.tensor([2, 0, 2, 1])
+    theta = torch.randn(4, model.d, dtype=dtype)
+    anchor, gs = torch.randn(model.d, dtype=dtype), torch.rand(4, dtype=dtype)
+    with backend.use("reference"):
+        batches = ops.sample_batches(data, steps=2, batch_size=3, seed=0, counter=0, clients=rows)
+    adapter.local_steps(model, theta, data, rows, batches, anchor, gs, 2, 0.1, 0.0)
+    adapter.gradients(model, theta, data, None, None)
+    adapter.evaluate(model, theta, data, rows, batches[:, 0].contiguous(), trusted=True)
+    assert [c[0] for c in adapter.module.calls] == ["local_steps", "gradients", "evaluate"]
+    assert [before for before, _ in adapter.module.screens] == [0, 1]  # each before its own launch
+    a = _named(adapter.module.screens[0][1], _SCREEN)
+    assert a["theta"].t is theta and a["n_theta"] == theta.numel()
+    assert a["anchor"].t is anchor and a["n_anchor"] == model.d and a["grad_scale"].t is gs and a["n_grad_scale"] == 4
+    assert a["x"].t is data.x and a["y"].t is data.y and (a["N"], a["p"]) == (10, 4)
+    assert a["classifier"] is model.is_classifier
+    assert a["num_classes"] == (model.num_classes if model.is_classifier else 0)
+    assert a["offsets"].t is data.offsets and a["m"] == 3
+    assert a["rows"].t is rows and a["R"] == 4 and a["batches"].t is batches and a["n_batches"] == 24
+    assert a["flag"].t.dtype == torch.int32 and a["flag"].t.numel() == 1
+    assert a["dtype"] == str(dtype).replace("torch.", "")
+    g = _named(adapter.module.screens[1][1], _SCREEN)
+    assert g["rows"] is None and g["R"] == 3 and g["batches"] is None and g["n_batches"] == 0
+    assert g["anchor"] is None and g["n_anchor"] == 0 and g["grad_scale"] is None
+
+
+def test_the_torch_screen_on_request_or_without_glm_screen(adapter, monkeypatch):
+    """PFLCORE_CUDA_SCREEN=torch, or a module built before glm_screen: _values.glm_fault."""
+    seen = []
+    monkeypatch.setattr(_values, "glm_fault", lambda *a: seen.append(a))
+    model, data = _glm()
+    theta = torch.zeros(3, model.d, dtype=torch.float64)
+    monkeypatch.setenv("PFLCORE_CUDA_SCREEN", "torch")
+    adapter.gradients(model, theta, data, None, None)
+    assert len(seen) == 1 and adapter.module.screens == []
+    monkeypatch.delenv("PFLCORE_CUDA_SCREEN")
+    old = _OldModule()
+    monkeypatch.setattr(adapter, "_state", (old, ""))
+    adapter.gradients(model, theta, data, None, None)
+    assert len(seen) == 2 and [c[0] for c in old.calls] == ["gradients"]
+
+
+class _OldModule(_Module):
+    """A module built before glm_screen."""
+
+    def __getattribute__(self, op):
+        if op == "glm_screen":
+            raise AttributeError(op)
+        return super().__getattribute__(op)
+
+    def __getattr__(self, op):
+        if op == "glm_screen":
+            raise AttributeError(op)
+        return super().__getattr__(op)
 
 
 def test_kmeans_update_and_anderson_take_scratch_of_the_size_the_module_says(adapter):

@@ -30,6 +30,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #include "pflcore/glm.h"
 
@@ -306,10 +308,25 @@ cudaError_t scratch_rows_family(int64_t p, int64_t C, bool intercept, int64_t* r
     return cudaSuccess;
 }
 
+#include "glm_warp.cuh"
+
+cudaError_t optin_smem(int* optin) {
+    int device = 0;
+    cudaError_t err = cudaGetDevice(&device);
+    if (err != cudaSuccess) return err;
+    return cudaDeviceGetAttribute(optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+}
+
 template <Family F, typename T, int M>
 cudaError_t launch_family(GlmArgs<T> a, cudaStream_t stream) {
+    int optin = 0;
+    cudaError_t err = optin_smem(&optin);
+    if (err != cudaSuccess) return err;
+    WarpLayout wl(1, 1, 1, 1);
+    int64_t wsmem = 0;
+    if (warp_plan<T>(a.p, a.C, a.intercept, optin, &wl, &wsmem)) return launch_warp<F, T, M>(a, wl, wsmem, stream);
     Plan plan{};
-    cudaError_t err = make_plan<T, M>(a.p, a.C, a.intercept, &plan);
+    err = make_plan<T, M>(a.p, a.C, a.intercept, &plan);
     if (err != cudaSuccess) return err;
     a.nt = plan.nt;
     a.ws = plan.ws;

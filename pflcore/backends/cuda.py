@@ -8,7 +8,12 @@ the dtype the kernel reads is a ValueError naming the argument (never a silent w
 ``launch`` turns a failed launch into a ``CudaKernelError`` that says which op failed and how to
 avoid it. Values are checked before the launch by the torch pre-pass of ``_values.py`` (on the
 device: one extra read of the inputs and one synchronization per call; ``average`` screens
-its output instead of making a pass over theta).
+its output instead of making a pass over theta). The untrusted GLM calls (local_steps,
+gradients, evaluate) screen with the module's ``glm_screen`` instead: one binding call, one
+kernel and one host read in place of the torch screen's ~20 small ops (~5-8 µs of launch time
+each); a flag runs the exact checks of ``_faults.py`` as the torch screen's does.
+PFLCORE_CUDA_SCREEN=torch keeps the torch screen (for A/B timing, and as a fallback); a module
+built without ``glm_screen`` uses it too.
 """
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ from typing import Callable, List, Optional
 
 import torch
 
-from pflcore.backends import _values
+from pflcore.backends import _faults, _values
 from pflcore.backends.base import Adapter, all_rows, evaluation_outputs, label_segments
 from pflcore.errors import CudaKernelError
 
@@ -194,11 +199,43 @@ class CudaAdapter(Adapter):
             self._scratch_cache[key] = rows
         return rows
 
+    def _screen(self, model, theta, data, rows, batches, anchor=None, grad_scale=None) -> None:
+        """``_values.glm_fault`` with the module's one-kernel screen: raises the call's first
+        fault (the exact checks run only when the screen flags something, and clear a false
+        alarm). ``rows`` as the caller got it (None: every client), not materialized."""
+        if os.environ.get("PFLCORE_CUDA_SCREEN", "") == "torch" or not hasattr(self.module, "glm_screen"):
+            _values.glm_fault(model, theta, data, rows, batches, anchor, grad_scale)
+        elif self._screen_flag(model, theta, data, rows, batches, anchor, grad_scale):
+            _faults.glm_fault(model, theta, data, rows, batches, anchor, grad_scale)
+
+    def _screen_flag(self, model, theta, data, rows, batches, anchor=None, grad_scale=None) -> int:
+        """The module's screen of a GLM call: nonzero when it may hold a fault (one binding call:
+        a kernel and one host read; never 0 where ``_values._glm_flags`` flags)."""
+        dev, dt = theta.device, theta.dtype
+        x, y, offsets = data.x, data.y, data.offsets
+        m = offsets.numel() - 1
+        flag = scratch(1, torch.int32, dev)
+        with torch.cuda.device(dev):
+            try:
+                return int(self.module.glm_screen(
+                    ptr(theta, "theta", dev, dt), theta.numel(), ptr(anchor, "anchor", dev, dt),
+                    0 if anchor is None else anchor.numel(), ptr(grad_scale, "grad_scale", dev, dt),
+                    0 if grad_scale is None else grad_scale.numel(), ptr(x, "x", dev, dt),
+                    ptr(y, "y", dev, torch.int64 if model.is_classifier else dt), model.is_classifier,
+                    model.num_classes if model.is_classifier else 0, x.shape[0], x.shape[1:].numel(),
+                    ptr(offsets, "offsets", dev, torch.int64), m, ptr(rows, "rows", dev, torch.int64),
+                    m if rows is None else rows.numel(), ptr(batches, "batches", dev, torch.int32),
+                    0 if batches is None else batches.numel(), ptr(flag, "flag", dev, torch.int32),
+                    dtype_name(theta), stream(theta)))
+            except RuntimeError as exc:
+                raise CudaKernelError(f"the value screen of a GLM call failed on the CUDA backend ({exc}). "
+                                      f"{_HINT}") from exc
+
     def local_steps(self, model, theta, data, rows, batches, anchor, grad_scale, steps, lr, prox, trusted=False):
         if steps == 0:
             return
         if not trusted:  # the run's own draws: no pre-pass, no host sync (see _values.py)
-            _values.glm_fault(model, theta, data, rows, batches, anchor, grad_scale)
+            self._screen(model, theta, data, rows, batches, anchor, grad_scale)
         dev, dt = theta.device, theta.dtype
         rows = all_rows(data, rows)  # held until the launch (glm_args passes its address)
         with torch.cuda.device(dev):
@@ -213,7 +250,7 @@ class CudaAdapter(Adapter):
 
     def gradients(self, model, theta, data, rows, batches, trusted=False):
         if not trusted:  # the run's own draws: no pre-pass, no host sync (see _values.py)
-            _values.glm_fault(model, theta, data, rows, batches)
+            self._screen(model, theta, data, rows, batches)
         dev = theta.device
         rows = all_rows(data, rows)  # held until the launch (glm_args passes its address)
         out = torch.empty(model_rows(theta, data, rows), model.d, dtype=theta.dtype, device=dev)
@@ -226,7 +263,7 @@ class CudaAdapter(Adapter):
     def evaluate(self, model, theta, data, rows, batches=None, trusted=False):
         """One launch, whole clients or ``batches`` [R, B] (a sample of each row's client)."""
         if not trusted:  # the run's own draws: no pre-pass, no host sync (see _values.py)
-            _values.glm_fault(model, theta, data, rows, batches)
+            self._screen(model, theta, data, rows, batches)
         dev = theta.device
         rows = all_rows(data, rows)  # held until the launch (glm_args passes its address)
         loss, correct, count = evaluation_outputs(model_rows(theta, data, rows), theta.dtype, dev)

@@ -193,6 +193,65 @@ def test_local_steps_through_the_global_scratch(dtype):
     assert torch.equal(got, again)
 
 
+# ---- the two GLM kernels: one warp per model row (P <= 128, C <= 16), one block per row ---------
+
+# (family, p, C, sizes): P = p + intercept (odd p) at the warp kernel's edges: 2 parameter rows
+# a lane (P <= 64) and 4 (P = 101, 128), C = 1, 10 and 16 (the registers' capacity), the block
+# kernel past them (P = 129, C = 17); clients of 1 row, of fewer and more than a chunk's 32
+WARP_EDGE_CASES = [("least_squares", 128, 1, [1, 33, 64]), ("logistic", 63, 1, [2, 31, 40]),
+                   ("softmax", 60, 10, None), ("softmax", 101, 16, [1, 32, 70]), ("softmax", 127, 16, [5, 33]),
+                   ("softmax", 129, 3, [4, 40]), ("softmax", 20, 17, [3, 35])]
+
+
+@pytest.mark.parametrize("kernel", ["warp", "block"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("family,p,C,sizes", WARP_EDGE_CASES)
+def test_both_glm_kernels_equal_the_reference(monkeypatch, kernel, dtype, family, p, C, sizes):
+    """local_steps (full batch, and minibatches with a per-row anchor and grad_scale), gradients
+    and evaluate (per-row and shared models) through the warp kernel where the shape allows it
+    and through the block kernel when PFLCORE_CUDA_GLM=block; a second call is bitwise equal."""
+    if kernel == "block":
+        monkeypatch.setenv("PFLCORE_CUDA_GLM", "block")
+    else:
+        monkeypatch.delenv("PFLCORE_CUDA_GLM", raising=False)
+    model, data = _case(family, p, C, sizes, dtype, seed=3)
+    m = data.num_clients
+    g = torch.Generator().manual_seed(11)
+    rows = _rows(m)
+    R = rows.numel()
+    theta = 0.1 * torch.randn(R, model.d, generator=g, dtype=dtype)
+    anchor = 0.1 * torch.randn(R, model.d, generator=g, dtype=dtype)
+    scale = torch.rand(R, generator=g, dtype=dtype) + 0.5
+    shared = 0.1 * torch.randn(model.d, generator=g, dtype=dtype)
+    with backend.use("reference"):
+        batches = ops.sample_batches(data, steps=3, batch_size=37, seed=2, counter=4, clients=rows)
+    mini = dict(steps=3, lr=0.05, prox=0.3, rows=rows, batches=batches, anchor=anchor, grad_scale=scale)
+    want_full = ops.local_steps_ref(model, theta[:m].clone(), data, steps=2, lr=0.1, prox=0.2, anchor=shared)
+    want_mini = ops.local_steps_ref(model, theta.clone(), data, **mini)
+    want_g = ops.gradients_ref(model, theta, data, rows=rows)
+    want_gs = ops.gradients_ref(model, shared, data, rows=rows)
+    want_e = ops.evaluate_ref(model, theta, data, rows=rows)
+    want_es = ops.evaluate_ref(model, shared, data, rows=rows)
+    dd = data.to(GPU)
+    d_mini = {k: (v.to(GPU) if isinstance(v, torch.Tensor) else v) for k, v in mini.items()}
+    with _cuda():
+        got_full = ops.local_steps(model, theta[:m].clone().to(GPU), dd, steps=2, lr=0.1, prox=0.2,
+                                   anchor=shared.to(GPU))
+        got_mini = ops.local_steps(model, theta.clone().to(GPU), dd, **d_mini)
+        again = ops.local_steps(model, theta.clone().to(GPU), dd, **d_mini)
+        got_g = ops.gradients(model, theta.to(GPU), dd, rows=rows.to(GPU))
+        got_gs = ops.gradients(model, shared.to(GPU), dd, rows=rows.to(GPU))
+        got_e = ops.evaluate(model, theta.to(GPU), dd, rows=rows.to(GPU))
+        got_es = ops.evaluate(model, shared.to(GPU), dd, rows=rows.to(GPU))
+    torch.testing.assert_close(got_full.cpu(), want_full, **TOL[dtype])
+    torch.testing.assert_close(got_mini.cpu(), want_mini, **TOL[dtype])
+    assert torch.equal(got_mini, again), "bitwise identical run to run"
+    torch.testing.assert_close(got_g.cpu(), want_g, **TOL[dtype])
+    torch.testing.assert_close(got_gs.cpu(), want_gs, **TOL[dtype])
+    _assert_eval(got_e, want_e, dtype)
+    _assert_eval(got_es, want_es, dtype)
+
+
 # ---- the split k-means update ----------------------------------------------------------------
 
 def _update(points, labels, weights, centroids, name):
