@@ -98,12 +98,13 @@ def median_call(fn, cfg: Config, calls: int = 300) -> float:
     return harness.time_runs(fn, calls, sync=lambda: sync(cfg.device), warmup=10).median
 
 
-def block_kernel_time(fn, cfg: Config, setup=lambda: None) -> float:
-    """``best_of(fn)`` on the cuda backend with PFLCORE_CUDA_GLM=block: glm.cu's block kernel for
-    every shape (the warp kernel's A/B in the same process)."""
+def variant_time(variant: str, fn, cfg: Config, setup=lambda: None) -> float:
+    """``best_of(fn)`` on the cuda backend with PFLCORE_CUDA_GLM=``variant``: "block" (glm.cu's
+    block kernel for every shape) or "warp_batched" (the warp kernel's batched staging): the
+    default warp kernel's A/B in the same process."""
     import os
     before = os.environ.get("PFLCORE_CUDA_GLM")
-    os.environ["PFLCORE_CUDA_GLM"] = "block"
+    os.environ["PFLCORE_CUDA_GLM"] = variant
     try:
         with backend.use("cuda"):
             return best_of(fn, cfg, setup)
@@ -193,9 +194,12 @@ def bench_local_steps(cfg: Config, m: int, bw: float, peak: float, data=None, ba
                 continue
             results[name] = best_of(lambda: ops.local_steps(model, theta, data, **kw), cfg, setup)
             out[f"{name}_s"] = results[name]
-    if "cuda" in results:  # the block kernel of glm.cu, which the warp kernel replaced for small models
-        out["cuda_block_kernel_s"] = block_kernel_time(lambda: ops.local_steps(model, theta, data, **kw), cfg, setup)
-        out["block_over_warp_kernel_time"] = out["cuda_block_kernel_s"] / results["cuda"]
+    if "cuda" in results:  # glm.cu's block kernel, which the warp kernel replaced for small models,
+        # and the warp kernel with its batched staging (PFLCORE_CUDA_GLM)
+        for variant in ("block", "warp_batched"):
+            out[f"cuda_{variant}_kernel_s"] = variant_time(variant, lambda: ops.local_steps(model, theta, data, **kw),
+                                                           cfg, setup)
+            out[f"{variant}_over_warp_kernel_time"] = out[f"cuda_{variant}_kernel_s"] / results["cuda"]
     theta_sub = theta0[sub].clone()
     with backend.use("reference"):
         t_ref = best_of(lambda: ops.local_steps_ref(model, theta_sub, data, rows=sub, **kw_sub), cfg,
@@ -247,8 +251,9 @@ def bench_evaluate(cfg: Config, data, bw: float) -> Dict:
             times[name] = best_of(lambda: ops.evaluate(model, theta, data), cfg)
             out[f"{name}_s"] = times[name]
     if "cuda" in times:
-        out["cuda_block_kernel_s"] = block_kernel_time(lambda: ops.evaluate(model, theta, data), cfg)
-        out["block_over_warp_kernel_time"] = out["cuda_block_kernel_s"] / times["cuda"]
+        for variant in ("block", "warp_batched"):
+            out[f"cuda_{variant}_kernel_s"] = variant_time(variant, lambda: ops.evaluate(model, theta, data), cfg)
+            out[f"{variant}_over_warp_kernel_time"] = out[f"cuda_{variant}_kernel_s"] / times["cuda"]
     t_ref = best_of(lambda: ops.evaluate_ref(model, theta[sub], data, rows=sub), cfg, repeats=min(3, cfg.repeats))
     out["reference_s"] = t_ref * m / sub.numel()
     if cfg.kernel in times:
@@ -480,12 +485,16 @@ def table_rows(res: Dict) -> List[Dict]:
         add(f"{tag}: {k} speed-up vs cuBLAS on the same products", r.get("speedup_vs_cublas_same_products"), None, "x")
         add(f"{tag}: triton time / {k} time", r.get("triton_over_cuda_time"), None, "x")
         add(f"{tag}: block kernel time / warp kernel time", r.get("block_over_warp_kernel_time"), None, "x")
+        add(f"{tag}: warp kernel, batched staging / warp kernel time", r.get("warp_batched_over_warp_kernel_time"),
+            None, "x")
     ev = res.get("evaluate")
     if ev:
         add_time(f"evaluate m={ev['m']:,} ({ev['N']:,} rows): {k} time", ev.get(f"{k}_s"), 50e-3)
         add(f"evaluate m={ev['m']:,}: {k} speed-up vs torch reference", ev.get("speedup_vs_reference"), None, "x")
         add(f"evaluate m={ev['m']:,}: block kernel time / warp kernel time", ev.get("block_over_warp_kernel_time"),
             None, "x")
+        add(f"evaluate m={ev['m']:,}: warp kernel, batched staging / warp kernel time",
+            ev.get("warp_batched_over_warp_kernel_time"), None, "x")
     kms = res["kmeans_assign"]
     for km in (kms if isinstance(kms, list) else [kms]):
         add(f"kmeans_assign N={km['N']:,} K={km['K']} d={km['d']:,}: {k} speed-up vs cdist+argmin",

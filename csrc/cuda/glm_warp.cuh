@@ -46,6 +46,7 @@ struct Vec16<double> {
 struct WarpLayout {
     int64_t xs, wc;            // row strides of X and of W, Z, DZ
     int64_t W, X, Z, DZ, per_warp;
+    bool batched_stage = false;  // PFLCORE_CUDA_GLM=warp_batched: the staging of kStage rows at once
     __host__ __device__ WarpLayout(int64_t p, int64_t P, int64_t C, int64_t vec) {
         xs = p % 2 == 1 ? p : p + 1;
         wc = (C + vec - 1) / vec * vec;
@@ -83,8 +84,10 @@ __device__ __forceinline__ void axpy_row(T (&acc)[CMAX], T xv, const T* w, int64
 }
 
 template <Family F, typename T, int M, int KPL, int CMAX>
-__global__ void __launch_bounds__(kWarpBlockThreads) glm_warp_kernel(const GlmArgs<T> a, const WarpLayout L) {
+__global__ void __launch_bounds__(kWarpBlockThreads, 1) glm_warp_kernel(const GlmArgs<T> a, const WarpLayout L) {
     using Y = label_t<F, T>;
+    // rows staged at once (batched_stage): kStage·KPL values of T a lane in registers
+    constexpr int kStage = KPL * sizeof(T) <= 8 ? 8 : KPL * sizeof(T) <= 16 ? 4 : 2;
     extern __shared__ __align__(16) unsigned char smem[];
     const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
     T* const base = reinterpret_cast<T*>(smem) + warp * L.per_warp;
@@ -130,9 +133,35 @@ __global__ void __launch_bounds__(kWarpBlockThreads) glm_warp_kernel(const GlmAr
                     my_row = a.batches ? static_cast<int64_t>(a.batches[(r * steps + s) * a.B + t0 + lane])
                                        : lo + t0 + lane;
                 // 1. stage x_t, t < nt (the previous chunk's readers passed the __syncwarp below)
-                for (int t = 0; t < nt; ++t) {
-                    const T* src = a.x + __shfl_sync(kFullMask, my_row, t) * p;
-                    for (int k = lane; k < ip; k += kWarpSize) X[t * xs + k] = src[k];
+                if (L.batched_stage) {
+                    // kStage rows' loads issued before their stores: kStage·KPL loads in flight a
+                    // lane, where the loop below has one row's (its loads wait on the store of
+                    // the row before)
+                    for (int t0s = 0; t0s < nt; t0s += kStage) {
+                        T buf[kStage][KPL];
+#pragma unroll
+                        for (int u = 0; u < kStage; ++u) {
+                            const int t = t0s + u;  // past nt: lane t's my_row is 0, a valid row
+                            const T* src = a.x + __shfl_sync(kFullMask, my_row, t & (kWarpSize - 1)) * p;
+#pragma unroll
+                            for (int j = 0; j < KPL; ++j) {
+                                const int k = lane + kWarpSize * j;  // KPL·32 >= P >= p
+                                buf[u][j] = t < nt && k < ip ? src[k] : T(0);
+                            }
+                        }
+#pragma unroll
+                        for (int u = 0; u < kStage; ++u)
+#pragma unroll
+                            for (int j = 0; j < KPL; ++j) {
+                                const int t = t0s + u, k = lane + kWarpSize * j;
+                                if (t < nt && k < ip) X[t * xs + k] = buf[u][j];
+                            }
+                    }
+                } else {
+                    for (int t = 0; t < nt; ++t) {
+                        const T* src = a.x + __shfl_sync(kFullMask, my_row, t) * p;
+                        for (int k = lane; k < ip; k += kWarpSize) X[t * xs + k] = src[k];
+                    }
                 }
                 __syncwarp();
                 // 2. lane t: the logits and dz of row t
@@ -228,9 +257,13 @@ template <typename T>
 bool warp_plan(int64_t p, int64_t C, bool intercept, int optin, WarpLayout* layout, int64_t* smem) {
     const int64_t P = p + (intercept ? 1 : 0);
     if (P > kWarpMaxP || C > kWarpMaxC || p < 1) return false;
-    const char* force = std::getenv("PFLCORE_CUDA_GLM");  // "block": glm.cu's kernel for every shape (A/B, tests)
+    // PFLCORE_CUDA_GLM: "block", glm.cu's kernel for every shape; "warp_batched", this kernel with
+    // the staging of several rows' loads at once (written after the 2026-11-27 H100 run showed
+    // the row-by-row staging latency-bound; not yet run on a GPU, hence not the default); A/B, tests
+    const char* force = std::getenv("PFLCORE_CUDA_GLM");
     if (force && std::strcmp(force, "block") == 0) return false;
     *layout = WarpLayout(p, P, C, Vec16<T>::n);
+    layout->batched_stage = force && std::strcmp(force, "warp_batched") == 0;
     *smem = kWarpBlockWarps * layout->per_warp * int64_t(sizeof(T));
     return *smem <= optin;
 }

@@ -203,17 +203,18 @@ WARP_EDGE_CASES = [("least_squares", 128, 1, [1, 33, 64]), ("logistic", 63, 1, [
                    ("softmax", 129, 3, [4, 40]), ("softmax", 20, 17, [3, 35])]
 
 
-@pytest.mark.parametrize("kernel", ["warp", "block"])
+@pytest.mark.parametrize("kernel", ["warp", "warp_batched", "block"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("family,p,C,sizes", WARP_EDGE_CASES)
 def test_both_glm_kernels_equal_the_reference(monkeypatch, kernel, dtype, family, p, C, sizes):
     """local_steps (full batch, and minibatches with a per-row anchor and grad_scale), gradients
     and evaluate (per-row and shared models) through the warp kernel where the shape allows it
-    and through the block kernel when PFLCORE_CUDA_GLM=block; a second call is bitwise equal."""
-    if kernel == "block":
-        monkeypatch.setenv("PFLCORE_CUDA_GLM", "block")
-    else:
+    (with its batched staging when PFLCORE_CUDA_GLM=warp_batched) and through the block kernel
+    when PFLCORE_CUDA_GLM=block; a second call is bitwise equal."""
+    if kernel == "warp":
         monkeypatch.delenv("PFLCORE_CUDA_GLM", raising=False)
+    else:
+        monkeypatch.setenv("PFLCORE_CUDA_GLM", kernel)
     model, data = _case(family, p, C, sizes, dtype, seed=3)
     m = data.num_clients
     g = torch.Generator().manual_seed(11)
