@@ -7,8 +7,9 @@ synchronized after each (a caller's wait):
   torch value screen (PFLCORE_CUDA_SCREEN=torch); the op without a screen (a run's trusted
   call); the module's launch alone (arguments prepared once); an empty synchronize and one tiny
   torch op, for scale;
-- average of [10⁵, 610] float32 with weights: the public op; the module's two kernels alone; the
-  torch screen and result check alone.
+- average of [10⁵, 610] float32 with weights: the public op; the same with the screen in its
+  kernels (PFLCORE_CUDA_AVERAGE=fused); the module's two kernels alone; the torch screen and
+  result check alone.
 
     python bench/gpu_overheads.py --out bench/results/gpu_overheads.json   # on a GPU machine
 """
@@ -86,6 +87,9 @@ def main(argv=None) -> int:
     th = torch.randn(m, d, generator=g, device=dev)
     w = torch.rand(m, generator=g, device=dev) + 0.1
     record("average_op_s", lambda: ops.average(th, w), calls=100)
+    os.environ["PFLCORE_CUDA_AVERAGE"] = "fused"
+    record("average_op_fused_s", lambda: ops.average(th, w), calls=100)
+    del os.environ["PFLCORE_CUDA_AVERAGE"]
     safe, wsum, flags = _values.average_screen(th, w, None)
     out = torch.empty(d, device=dev)
     buf = torch.empty(module.average_scratch(m, d), dtype=torch.float64, device=dev)

@@ -352,6 +352,20 @@ def bench_server_ops(cfg: Config, bw: float) -> Dict:
         out["reference_s"] = best_of(lambda: ref(*args), cfg)
         out["fraction_of_copy_bandwidth"] = nbytes / out["s"] / bw
         out["speedup_vs_reference"] = out["reference_s"] / out["s"]
+        if op == "average" and out["served_by"] == "cuda":  # the screen in the kernels (PFLCORE_CUDA_AVERAGE)
+            import os
+            os.environ["PFLCORE_CUDA_AVERAGE"] = "fused"
+            try:
+                diff = float((fn(*args).double().cpu() - want.double().cpu()).abs().max())
+                out["fused_max_abs_diff_vs_reference"] = diff
+                if diff <= 1e-4:
+                    out["fused_s"] = best_of(lambda: fn(*args), cfg)
+                    out["fused_fraction_of_copy_bandwidth"] = nbytes / out["fused_s"] / bw
+                else:
+                    out["fused_error"] = f"disagrees with average_ref (max |Δ| = {diff:.3g})"
+                    print(f"average (fused): {out['fused_error']}", flush=True)
+            finally:
+                del os.environ["PFLCORE_CUDA_AVERAGE"]
         res[op] = out
     del theta, R
     return res
@@ -504,6 +518,9 @@ def table_rows(res: Dict) -> List[Dict]:
     for op, r in (res.get("server_ops") or {}).items():
         add(f"{op} {r['m']:,}x{r['d']}: {r['served_by']} bytes/s / copy bandwidth", r.get("fraction_of_copy_bandwidth"), 0.5)
         add(f"{op}: speed-up vs {op}_ref", r.get("speedup_vs_reference"), None, "x")
+        if "fused_max_abs_diff_vs_reference" in r:
+            add(f"{op} {r['m']:,}x{r['d']} with the screen in its kernels (PFLCORE_CUDA_AVERAGE=fused): bytes/s / "
+                f"copy bandwidth", r.get("fused_fraction_of_copy_bandwidth"), 0.5)
     an = res["anderson"]
     add(f"Anderson step {an['rows']:,}x{an['d']:,}: {k} bytes/s / copy bandwidth", an.get("fraction_of_copy_bandwidth"))
     add(f"Anderson step: triton time / {k} time", an.get("triton_over_cuda_time"), None, "x")

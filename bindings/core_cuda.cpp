@@ -68,6 +68,10 @@ int64_t average_scratch(int64_t R, int64_t d);
 template <typename T>
 cudaError_t average(const void* theta, const void* weights, const int64_t* rows, int64_t R, int64_t d,
                     const double* wsum, void* out, double* scratch, cudaStream_t stream);
+int64_t average_fused_scratch(int64_t R, int64_t d);
+template <typename T>
+cudaError_t average_fused(const void* theta, const void* weights, const int64_t* rows, int64_t M, int64_t R,
+                          int64_t d, void* out, double* scratch, int32_t* flag, int* host_flag, cudaStream_t stream);
 // csrc/cuda/screen.cu
 template <typename T>
 cudaError_t glm_screen(const void* theta, int64_t n_theta, const void* anchor, int64_t n_anchor,
@@ -412,6 +416,38 @@ void average(ptr_t theta, ptr_t weights, ptr_t rows, int64_t M, int64_t d, int64
     check(err, op);
 }
 
+int64_t average_fused_scratch(int64_t R, int64_t d) {
+    require(R >= 1 && d >= 1, "average_fused_scratch", "expected R >= 1 and d >= 1");
+    return pc::average_fused_scratch(R, d);
+}
+
+// The average with its value screen in the kernels (csrc/cuda/average.cu): nonzero when the call
+// may hold a fault (a row out of [0, M), a negative or non-finite weight, a weight sum <= 0, a
+// non-finite mean); synchronizes `stream`. rows: raw indices, or 0 with R = M.
+int average_fused(ptr_t theta, ptr_t weights, ptr_t rows, int64_t M, int64_t d, int64_t R, ptr_t out, ptr_t scratch,
+                  ptr_t flag, const std::string& dtype, ptr_t stream) {
+    const std::string op = "average";
+    const bool f64 = is_f64(dtype, op);
+    require(M >= 1 && d >= 1 && R >= 1, op, "expected M, d, R >= 1");
+    require(rows != 0 || R == M, op, "without rows, R must be M");
+    require_pointer(theta, op, "theta");
+    require_pointer(weights, op, "weights");
+    require_pointer(out, op, "out");
+    require_pointer(scratch, op, "scratch");
+    require_pointer(flag, op, "flag");
+    int found = 0;
+    cudaError_t err;
+    {
+        py::gil_scoped_release nogil;
+        err = f64 ? pc::average_fused<double>(as(theta), as(weights), as<const int64_t>(rows), M, R, d, as(out),
+                                              as<double>(scratch), as<int32_t>(flag), &found, as_stream(stream))
+                  : pc::average_fused<float>(as(theta), as(weights), as<const int64_t>(rows), M, R, d, as(out),
+                                             as<double>(scratch), as<int32_t>(flag), &found, as_stream(stream));
+    }
+    check(err, op);
+    return found;
+}
+
 // ---- GLM value screen ----------------------------------------------------------------------
 
 // Nonzero when a local_steps / gradients / evaluate call may hold a fault (csrc/cuda/screen.cu);
@@ -583,6 +619,14 @@ PYBIND11_MODULE(_core_cuda, m) {
           "values.");
     m.def("average_scratch", &average_scratch, py::arg("R"), py::arg("d"),
           "float64 values of the scratch average needs (per-chunk partial sums).");
+    m.def("average_fused", &average_fused, py::arg("theta"), py::arg("weights"), py::arg("rows"), py::arg("M"),
+          py::arg("d"), py::arg("R"), py::arg("out"), py::arg("scratch"), py::arg("flag"), py::arg("dtype"),
+          py::arg("stream"),
+          "average with its value screen in the kernels: rows raw (any int64, clamped and flagged) or 0 (R = M); "
+          "scratch: average_fused_scratch(R, d) float64 values; flag: [1] int32 device memory; returns nonzero when "
+          "the call may hold a fault (then run the exact checks); synchronizes the stream.");
+    m.def("average_fused_scratch", &average_fused_scratch, py::arg("R"), py::arg("d"),
+          "float64 values of the scratch average_fused needs (per-chunk partial sums and weight sums).");
     m.def("glm_screen", &glm_screen, py::arg("theta"), py::arg("n_theta"), py::arg("anchor"), py::arg("n_anchor"),
           py::arg("grad_scale"), py::arg("n_grad_scale"), py::arg("x"), py::arg("y"), py::arg("classifier"),
           py::arg("num_classes"), py::arg("N"), py::arg("p"), py::arg("offsets"), py::arg("m"), py::arg("rows"),

@@ -31,6 +31,7 @@ class _Module:
         self.calls = []
         self.screens = []  # (launches before it, args) of each glm_screen call
         self.screen_result = 1  # flag every call: the exact checks decide, on CPU tensors
+        self.average_result = 1  # average_fused's flag
         self.scratch_rows_asked = 0
         self._scratch_rows = scratch_rows
 
@@ -58,6 +59,13 @@ class _Module:
 
     def average_scratch(self, R, d):
         return 7 * R + d
+
+    def average_fused_scratch(self, R, d):
+        return 11 * R + d
+
+    def average_fused(self, *args):
+        self.calls.append(("average_fused", args))
+        return self.average_result
 
     def build_info(self):
         return {"max_classes": (2048, 1024), "architectures": "80,90", "cuda_runtime_version": 13000}
@@ -300,6 +308,45 @@ def test_average_faults_are_the_reference_ones(adapter):
     with pytest.raises(ValueError, match="sum to 0"):
         adapter.average(theta, w, torch.zeros(0, dtype=torch.int64))
     assert len(adapter.module.calls) == n  # no rows: nothing launched
+
+
+_AVERAGE_FUSED = ["theta", "weights", "rows", "M", "d", "R", "out", "scratch", "flag", "dtype", "stream"]
+
+
+@pytest.mark.parametrize("rows", [None, torch.tensor([2, 0, 2, 7])])
+def test_fused_average_is_one_call_with_the_raw_rows_and_its_flag(adapter, monkeypatch, rows):
+    """PFLCORE_CUDA_AVERAGE=fused: one average_fused call (no torch screen before it) with the
+    rows as the caller gave them (the kernel clamps and flags them), scratch sized by the module,
+    an int32 flag; a raised flag runs the exact checks (an index out of range raises the reference's
+    error), a clear one returns the output as it is."""
+    monkeypatch.setenv("PFLCORE_CUDA_AVERAGE", "fused")
+    monkeypatch.setattr(_values, "average_screen", lambda *a: pytest.fail("the torch screen ran"))
+    theta = torch.randn(5, 3)
+    w = torch.rand(5) + 0.1
+    adapter.module.average_result = 0
+    if rows is None:
+        out = adapter.average(theta, w, rows)
+    else:
+        adapter.module.average_result = 1
+        with pytest.raises(ValueError, match=r"rows: expected indices in \[0, 5\), got rows\[3\] = 7"):
+            adapter.average(theta, w, rows)
+    ((op, args),) = adapter.module.calls
+    a = _named(args, _AVERAGE_FUSED)
+    R = 5 if rows is None else 4
+    assert op == "average_fused" and (a["M"], a["d"], a["R"]) == (5, 3, R)
+    assert a["theta"].t is theta and a["weights"].t is w
+    assert (a["rows"] is None) if rows is None else (a["rows"].t is rows)
+    assert a["scratch"].t.dtype == torch.float64 and a["scratch"].t.numel() == 11 * R + 3
+    assert a["flag"].t.dtype == torch.int32 and a["flag"].t.numel() == 1
+    if rows is None:
+        assert a["out"].t is out and out.shape == (3,)
+
+
+def test_fused_average_without_rows_launches_nothing(adapter, monkeypatch):
+    monkeypatch.setenv("PFLCORE_CUDA_AVERAGE", "fused")
+    with pytest.raises(ValueError, match="sum to 0"):
+        adapter.average(torch.randn(4, 3), torch.ones(4), torch.zeros(0, dtype=torch.int64))
+    assert adapter.module.calls == []
 
 
 class _Alive:

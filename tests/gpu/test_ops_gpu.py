@@ -212,9 +212,20 @@ def _average_rows(m, rows, g):
     return torch.randint(0, m, (n,), generator=g)
 
 
+@pytest.fixture(params=["screened", "fused"])
+def average_path(request, monkeypatch):
+    """The cuda average with the torch screen around its kernels (default) and with the screen
+    in them (PFLCORE_CUDA_AVERAGE=fused)."""
+    if request.param == "fused":
+        monkeypatch.setenv("PFLCORE_CUDA_AVERAGE", "fused")
+    else:
+        monkeypatch.delenv("PFLCORE_CUDA_AVERAGE", raising=False)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m,d,rows", AVERAGE_CASES)
-def test_cuda_average(dtype, m, d, rows):
+def test_cuda_average(dtype, m, d, rows, average_path):
     require("cuda")
     g = torch.Generator().manual_seed(m + d)
     theta = torch.randn(m, d, generator=g, dtype=dtype)
@@ -236,7 +247,7 @@ def test_cuda_average(dtype, m, d, rows):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_cuda_average_faults_are_the_reference_ones(dtype):
+def test_cuda_average_faults_are_the_reference_ones(dtype, average_path):
     """A NaN or inf in a selected row of theta, a bad weight, a zero weight sum, a row out of
     range, no rows: the reference's error (type and message); a NaN in an unselected row is none."""
     require("cuda")
