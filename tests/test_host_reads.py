@@ -175,7 +175,7 @@ def test_trusted_triton_calls_never_read_the_host(op, monkeypatch):
     assert seen == [] and adapter.module.calls == [op]
 
 
-def test_trusted_skips_the_pre_pass_and_untrusted_runs_it():
+def test_trusted_skips_the_pre_pass_and_untrusted_runs_it(monkeypatch):
     model, data = models.Softmax(4, 3), _fed()
     theta = torch.zeros(3, model.d)
     theta[1, 2] = float("nan")
@@ -184,10 +184,16 @@ def test_trusted_skips_the_pre_pass_and_untrusted_runs_it():
     adapter = _triton_adapter()
     adapter.gradients(model, theta, data, None, None, True)
     assert adapter.module.calls == ["gradients"]
-    # the CUDA adapter: the pre-pass raises first; trusted, the call goes on to the launch's
+    # the CUDA adapter: untrusted, the screen runs first: the module's (whose address checks
+    # refuse CPU tensors before anything reaches the device) or, with PFLCORE_CUDA_SCREEN=torch,
+    # the torch pre-pass, which raises the NaN; trusted, the call goes on to the launch's
     # argument checks (which refuse CPU tensors), reading nothing on the way
     cuda = CudaAdapter()
     cuda._state = (Recorder(), "recording stand-in")
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        cuda.gradients(model, theta, data, None, None, False)
+    assert cuda.module.calls == []
+    monkeypatch.setenv("PFLCORE_CUDA_SCREEN", "torch")
     with pytest.raises(NonFiniteError, match=r"theta: row 1 holds a NaN"):
         cuda.gradients(model, theta, data, None, None, False)
     with pytest.raises(ValueError, match="cuda device|CUDA tensors"):

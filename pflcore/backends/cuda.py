@@ -214,19 +214,21 @@ class CudaAdapter(Adapter):
         dev, dt = theta.device, theta.dtype
         x, y, offsets = data.x, data.y, data.offsets
         m = offsets.numel() - 1
+        # every address first: a tensor the kernel cannot read is the adapter's ValueError, before
+        # anything touches the device
+        args = (ptr(theta, "theta", dev, dt), theta.numel(), ptr(anchor, "anchor", dev, dt),
+                0 if anchor is None else anchor.numel(), ptr(grad_scale, "grad_scale", dev, dt),
+                0 if grad_scale is None else grad_scale.numel(), ptr(x, "x", dev, dt),
+                ptr(y, "y", dev, torch.int64 if model.is_classifier else dt), model.is_classifier,
+                model.num_classes if model.is_classifier else 0, x.shape[0], x.shape[1:].numel(),
+                ptr(offsets, "offsets", dev, torch.int64), m, ptr(rows, "rows", dev, torch.int64),
+                m if rows is None else rows.numel(), ptr(batches, "batches", dev, torch.int32),
+                0 if batches is None else batches.numel())
         flag = scratch(1, torch.int32, dev)
         with torch.cuda.device(dev):
             try:
-                return int(self.module.glm_screen(
-                    ptr(theta, "theta", dev, dt), theta.numel(), ptr(anchor, "anchor", dev, dt),
-                    0 if anchor is None else anchor.numel(), ptr(grad_scale, "grad_scale", dev, dt),
-                    0 if grad_scale is None else grad_scale.numel(), ptr(x, "x", dev, dt),
-                    ptr(y, "y", dev, torch.int64 if model.is_classifier else dt), model.is_classifier,
-                    model.num_classes if model.is_classifier else 0, x.shape[0], x.shape[1:].numel(),
-                    ptr(offsets, "offsets", dev, torch.int64), m, ptr(rows, "rows", dev, torch.int64),
-                    m if rows is None else rows.numel(), ptr(batches, "batches", dev, torch.int32),
-                    0 if batches is None else batches.numel(), ptr(flag, "flag", dev, torch.int32),
-                    dtype_name(theta), stream(theta)))
+                return int(self.module.glm_screen(*args, ptr(flag, "flag", dev, torch.int32), dtype_name(theta),
+                                                  stream(theta)))
             except RuntimeError as exc:
                 raise CudaKernelError(f"the value screen of a GLM call failed on the CUDA backend ({exc}). "
                                       f"{_HINT}") from exc
