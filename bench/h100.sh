@@ -38,7 +38,9 @@ cat "$OUT/info.log" | tail -25
 # Each xdist worker's torch and OpenMP use 2 threads: 8 test workers and 3 x 4 sanitizer workers with
 # 16 threads each oversubscribed the 16 cores ~20 times, and the tests whose CPU reference is
 # heavy ran past every limit. A test that still runs past PER_TEST seconds fails with its stack
-# (pytest-timeout) instead of holding the stage.
+# (pytest-timeout's thread method: it dumps every thread's stack and ends the worker, which xdist
+# replaces; the signal method cannot interrupt a call blocked in C, e.g. a kernel that never
+# ends) instead of holding the stage.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 PER_TEST=${PER_TEST:-150}
 # tests/gpu (xdist workers) and the three sanitizers, each on its own pytest-xdist workers, side by
@@ -59,7 +61,7 @@ if has san; then
       # the workers are child processes: compute-sanitizer follows them (--target-processes all)
       timeout ${SAN_LIMIT:-300} compute-sanitizer --tool $tool $extra $FILTER --target-processes all --print-limit 20 \
         $PY -P -m pytest $(ls tests/gpu/test_ops_gpu.py tests/gpu/test_cuda_scale.py tests/gpu/test_cuda_screen.py 2>/dev/null) \
-        -v -rf -p no:cacheprovider -n ${SAN_WORKERS:-3} --timeout $((PER_TEST * 4)) -k "$SAN_K" > /tmp/san_$tool.log 2>&1
+        -v -rf -p no:cacheprovider -n ${SAN_WORKERS:-3} --timeout $((PER_TEST * 4)) --timeout-method thread -k "$SAN_K" > /tmp/san_$tool.log 2>&1
       echo "compute-sanitizer $tool rc=$?" >> /tmp/san_$tool.log
     ) &
   done
@@ -67,7 +69,7 @@ fi
 if has tests; then
   stamp "tests/gpu"
   timeout ${TESTS_LIMIT:-300} $PY -P -m pytest tests/gpu -v -rfs -p no:cacheprovider -n ${TEST_WORKERS:-6} --durations=25 \
-    --timeout $PER_TEST \
+    --timeout $PER_TEST --timeout-method thread \
     --junitxml=/tmp/tests.xml > "$OUT/tests.log" 2>&1
   echo "pytest rc=$?" >> "$OUT/tests.log"
   echo "tests/gpu: $(grep -c " PASSED" "$OUT/tests.log") passed, $(grep -c " SKIPPED" "$OUT/tests.log") skipped, $(grep -c " FAILED" "$OUT/tests.log") failed"
