@@ -4,8 +4,9 @@ bandwidth) each split into its parts, every part the median of many calls with t
 synchronized after each (a caller's wait):
 
 - local_steps, 1 client × 20 rows, Softmax(60, 10), 1 step: the public op; the same op with the
-  torch value screen (PFLCORE_CUDA_SCREEN=torch); the op without a screen (a run's trusted
-  call); the module's launch alone (arguments prepared once); an empty synchronize and one tiny
+  torch value screen (PFLCORE_CUDA_SCREEN=torch), with the screen and the steps in one call
+  (=fused), and that with the batched staging (PFLCORE_CUDA_GLM=warp_batched); the op without a
+  screen (a run's trusted call); the module's launch alone (arguments prepared once); an empty synchronize and one tiny
   torch op, for scale;
 - average of [10⁵, 610] float32 with weights: the public op; the same with the screen in its
   kernels (PFLCORE_CUDA_AVERAGE=fused); the module's two kernels alone; the torch screen and
@@ -71,6 +72,12 @@ def main(argv=None) -> int:
         os.environ["PFLCORE_CUDA_SCREEN"] = "torch"
         record("local_steps_small_op_torch_screen_s", lambda: ops.local_steps(model, theta, data, steps=1, lr=0.01))
         del os.environ["PFLCORE_CUDA_SCREEN"]
+        os.environ["PFLCORE_CUDA_SCREEN"] = "fused"
+        record("local_steps_small_op_fused_screen_s", lambda: ops.local_steps(model, theta, data, steps=1, lr=0.01))
+        os.environ["PFLCORE_CUDA_GLM"] = "warp_batched"
+        record("local_steps_small_op_fused_screen_warp_batched_s",
+               lambda: ops.local_steps(model, theta, data, steps=1, lr=0.01))
+        del os.environ["PFLCORE_CUDA_SCREEN"], os.environ["PFLCORE_CUDA_GLM"]
         record("local_steps_small_trusted_s", lambda: run_local_steps(model, theta, data, 1, 0.01, 0.0, None, None,
                                                                       None, None, True))
     ad = backend.ADAPTERS["cuda"]

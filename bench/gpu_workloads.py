@@ -278,6 +278,24 @@ def bench_small_call(cfg: Config) -> Dict:
     for name in usable((cfg.kernel, "triton", "reference"), out):
         with backend.use(name):
             out[f"{name}_s"] = median_call(lambda: ops.local_steps(model, theta, data, steps=1, lr=0.01), cfg)
+    if cfg.kernel == "cuda" and "cuda_s" in out:
+        # the variants not yet the default: the screen and the steps in one call, and with the
+        # batched staging too
+        import os
+        for key, env in (("cuda_fused_screen_s", {"PFLCORE_CUDA_SCREEN": "fused"}),
+                         ("cuda_fused_screen_warp_batched_s", {"PFLCORE_CUDA_SCREEN": "fused",
+                                                               "PFLCORE_CUDA_GLM": "warp_batched"})):
+            before = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)
+            try:
+                with backend.use("cuda"):
+                    out[key] = median_call(lambda: ops.local_steps(model, theta, data, steps=1, lr=0.01), cfg)
+            finally:
+                for k, v in before.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
     return out
 
 
@@ -489,6 +507,10 @@ def table_rows(res: Dict) -> List[Dict]:
     small = res.get("small_call")
     if small:
         add_time(f"local_steps 1 client, 1 step: {k} wall per call", small.get(f"{k}_s"), 100e-6)
+        for key, what in (("cuda_fused_screen_s", "PFLCORE_CUDA_SCREEN=fused"),
+                          ("cuda_fused_screen_warp_batched_s", "the same and PFLCORE_CUDA_GLM=warp_batched")):
+            if key in small:
+                add_time(f"local_steps 1 client, 1 step, {what}: wall per call", small.get(key), 100e-6)
     for r in res["local_steps"]:
         mode = f"B={r['batch_size']}" if r.get("batch_size") else "full batch"
         tag = f"local_steps m={r['m']:,} {mode}"

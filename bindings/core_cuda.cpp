@@ -41,7 +41,7 @@ cudaError_t glm_local_steps(int family, int64_t p, int64_t C, bool intercept, do
                             const void* x, const void* y, const int64_t* offsets, const int64_t* rows,
                             int64_t R, const int32_t* batches, int64_t B, const void* anchor,
                             bool anchor_shared, const void* grad_scale, int64_t steps, double lr, double prox,
-                            void* scratch, int64_t scratch_rows, cudaStream_t stream);
+                            void* scratch, int64_t scratch_rows, const int32_t* skip_if, cudaStream_t stream);
 template <typename T>
 cudaError_t glm_gradients(int family, int64_t p, int64_t C, bool intercept, double l2, const void* theta,
                           bool theta_shared, const void* x, const void* y, const int64_t* offsets,
@@ -79,6 +79,13 @@ cudaError_t glm_screen(const void* theta, int64_t n_theta, const void* anchor, i
                        int64_t num_classes, int64_t N, int64_t p, const int64_t* offsets, int64_t m,
                        const int64_t* rows, int64_t R, const int32_t* batches, int64_t n_batches, int32_t* flag,
                        int* host_flag, cudaStream_t stream);
+template <typename T>
+cudaError_t glm_screen_queue(const void* theta, int64_t n_theta, const void* anchor, int64_t n_anchor,
+                             const void* grad_scale, int64_t n_grad_scale, const void* x, const void* y,
+                             bool classifier, int64_t num_classes, int64_t N, int64_t p, const int64_t* offsets,
+                             int64_t m, const int64_t* rows, int64_t R, const int32_t* batches, int64_t n_batches,
+                             int32_t* flag, int* decided, cudaStream_t stream);
+cudaError_t read_flag(const int32_t* flag, int* host, cudaStream_t stream);
 // csrc/cuda/sample_batches.cu
 cudaError_t sample_batches(const int64_t* offsets, const int64_t* clients, int64_t first_id, int64_t R,
                            int64_t steps, int64_t B, uint32_t seed, uint32_t counter, int32_t* out,
@@ -216,11 +223,64 @@ void local_steps(int family, int64_t p, int64_t C, bool intercept, double l2, pt
             return pc::glm_local_steps<T>(family, p, C, intercept, l2, as(theta), as(x), as(y),
                                           as<const int64_t>(offsets), as<const int64_t>(rows), R,
                                           as<const int32_t>(batches), B, as(anchor), anchor_shared, as(grad_scale),
-                                          steps, lr, prox, as(scratch), scratch_rows, as_stream(stream));
+                                          steps, lr, prox, as(scratch), scratch_rows, nullptr, as_stream(stream));
         };
         err = f64 ? run(double{}) : run(float{});
     }
     check(err, op);
+}
+
+// local_steps behind its value screen in one call (PFLCORE_CUDA_SCREEN=fused): the screen kernel,
+// then the GLM kernel, which does nothing when the screen's flag is set (stream order: the screen
+// has finished), then one read of the flag. Returns it: nonzero means theta was not touched and
+// the exact checks must run. n_* and the screen's sizes as glm_screen takes them.
+int local_steps_screened(int family, int64_t p, int64_t C, bool intercept, double l2, ptr_t theta, ptr_t x, ptr_t y,
+                         ptr_t offsets, ptr_t rows, int64_t R, ptr_t batches, int64_t B, ptr_t anchor,
+                         bool anchor_shared, ptr_t grad_scale, int64_t steps, double lr, double prox, ptr_t scratch,
+                         int64_t scratch_rows, int64_t n_theta, int64_t n_anchor, int64_t n_grad_scale,
+                         int64_t num_classes, int64_t N, int64_t m, int64_t n_batches, ptr_t flag,
+                         const std::string& dtype, ptr_t stream) {
+    const std::string op = "local_steps";
+    const bool f64 = is_f64(dtype, op);
+    check_glm(op, family, p, C, f64, theta, x, y, offsets, rows, R);
+    require(steps >= 1, op, "steps must be >= 1");
+    require(batches == 0 || B >= 1, op, "batches need B >= 1");
+    require(scratch_rows >= 0, op, "scratch_rows must be >= 0, got " + std::to_string(scratch_rows));
+    if (scratch_rows > 0) require_pointer(scratch, op, "scratch");
+    require(n_theta >= 0 && n_anchor >= 0 && n_grad_scale >= 0 && N >= 0 && m >= 0 && n_batches >= 0, op,
+            "sizes must be >= 0");
+    require(n_batches == 0 || R == 0 || n_batches % R == 0, op, "n_batches must be a multiple of R");
+    require_pointer(flag, op, "flag");
+    const bool classifier = family != 0;
+    int found = 0;
+    cudaError_t err;
+    {
+        py::gil_scoped_release nogil;
+        auto run = [&](auto tag) {
+            using T = decltype(tag);
+            int decided = 0;
+            cudaError_t e = pc::glm_screen_queue<T>(as(theta), n_theta, as(anchor), n_anchor, as(grad_scale),
+                                                    n_grad_scale, as(x), as(y), classifier, num_classes, N, p,
+                                                    as<const int64_t>(offsets), m, as<const int64_t>(rows), R,
+                                                    as<const int32_t>(batches), n_batches, as<int32_t>(flag),
+                                                    &decided, as_stream(stream));
+            if (e != cudaSuccess) return e;
+            if (decided) {  // the exact checks decide; nothing was queued
+                found = 1;
+                return cudaSuccess;
+            }
+            e = pc::glm_local_steps<T>(family, p, C, intercept, l2, as(theta), as(x), as(y),
+                                       as<const int64_t>(offsets), as<const int64_t>(rows), R,
+                                       as<const int32_t>(batches), B, as(anchor), anchor_shared, as(grad_scale), steps,
+                                       lr, prox, as(scratch), scratch_rows, as<const int32_t>(flag),
+                                       as_stream(stream));
+            if (e != cudaSuccess) return e;
+            return pc::read_flag(as<const int32_t>(flag), &found, as_stream(stream));
+        };
+        err = f64 ? run(double{}) : run(float{});
+    }
+    check(err, op);
+    return found;
 }
 
 // Rows of scratch (of d values) local_steps needs for this shape on the current device; 0 when
@@ -619,6 +679,15 @@ PYBIND11_MODULE(_core_cuda, m) {
           "values.");
     m.def("average_scratch", &average_scratch, py::arg("R"), py::arg("d"),
           "float64 values of the scratch average needs (per-chunk partial sums).");
+    m.def("local_steps_screened", &local_steps_screened, py::arg("family"), py::arg("p"), py::arg("C"),
+          py::arg("intercept"), py::arg("l2"), py::arg("theta"), py::arg("x"), py::arg("y"), py::arg("offsets"),
+          py::arg("rows"), py::arg("R"), py::arg("batches"), py::arg("B"), py::arg("anchor"),
+          py::arg("anchor_shared"), py::arg("grad_scale"), py::arg("steps"), py::arg("lr"), py::arg("prox"),
+          py::arg("scratch"), py::arg("scratch_rows"), py::arg("n_theta"), py::arg("n_anchor"),
+          py::arg("n_grad_scale"), py::arg("num_classes"), py::arg("N"), py::arg("m"), py::arg("n_batches"),
+          py::arg("flag"), py::arg("dtype"), py::arg("stream"),
+          "local_steps behind the value screen of glm_screen in one call: returns the screen's flag; nonzero "
+          "means theta was not written and the exact checks must run. Synchronizes the stream.");
     m.def("average_fused", &average_fused, py::arg("theta"), py::arg("weights"), py::arg("rows"), py::arg("M"),
           py::arg("d"), py::arg("R"), py::arg("out"), py::arg("scratch"), py::arg("flag"), py::arg("dtype"),
           py::arg("stream"),

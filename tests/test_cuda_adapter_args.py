@@ -32,6 +32,7 @@ class _Module:
         self.screens = []  # (launches before it, args) of each glm_screen call
         self.screen_result = 1  # flag every call: the exact checks decide, on CPU tensors
         self.average_result = 1  # average_fused's flag
+        self.fused_result = 0  # local_steps_screened's flag
         self.scratch_rows_asked = 0
         self._scratch_rows = scratch_rows
 
@@ -59,6 +60,10 @@ class _Module:
 
     def average_scratch(self, R, d):
         return 7 * R + d
+
+    def local_steps_screened(self, *args):
+        self.calls.append(("local_steps_screened", args))
+        return self.fused_result
 
     def average_fused_scratch(self, R, d):
         return 11 * R + d
@@ -211,6 +216,44 @@ def test_an_untrusted_glm_call_is_one_screen_call_before_its_launch(adapter, mon
     g = _named(adapter.module.screens[1][1], _SCREEN)
     assert g["rows"] is None and g["R"] == 3 and g["batches"] is None and g["n_batches"] == 0
     assert g["anchor"] is None and g["n_anchor"] == 0 and g["grad_scale"] is None
+
+
+_FUSED = _LEAD + ["batches", "B", "anchor", "anchor_shared", "grad_scale", "steps", "lr", "prox", "scratch",
+                  "scratch_rows", "n_theta", "n_anchor", "n_grad_scale", "num_classes", "N", "m", "n_batches", "flag",
+                  "dtype", "stream"]
+
+
+@pytest.mark.parametrize("flagged", [False, True])
+def test_fused_screen_is_one_call_and_a_flag_runs_the_exact_checks(adapter, monkeypatch, flagged):
+    """PFLCORE_CUDA_SCREEN=fused: local_steps is one local_steps_screened call (no glm_screen, no
+    separate launch) with the rows materialized and every size the screen needs; a raised flag
+    (theta untouched) runs the exact checks, and after a false alarm the steps run unscreened."""
+    monkeypatch.setenv("PFLCORE_CUDA_SCREEN", "fused")
+    exact = []
+    monkeypatch.setattr(_cuda._faults, "glm_fault", lambda *a: exact.append(a))
+    adapter.module.fused_result = int(flagged)
+    model = make_model("softmax", 4, 3, l2=0.1)
+    data = make_data(model, [3, 5, 2], torch.float32, seed=1)
+    theta = torch.randn(3, model.d)
+    anchor = torch.randn(3, model.d)
+    with backend.use("reference"):
+        batches = ops.sample_batches(data, steps=2, batch_size=3, seed=0, counter=0)
+    adapter.local_steps(model, theta, data, None, batches, anchor, None, 2, 0.1, 0.3)
+    ops_called = [c[0] for c in adapter.module.calls]
+    assert adapter.module.screens == []
+    assert ops_called == (["local_steps_screened", "local_steps"] if flagged else ["local_steps_screened"])
+    assert len(exact) == int(flagged)
+    a = _named(adapter.module.calls[0][1], _FUSED)
+    assert a["theta"].t is theta and torch.equal(a["rows"].t, torch.arange(3)) and a["R"] == 3
+    assert a["batches"].t is batches and a["B"] == 3 and a["n_batches"] == batches.numel()
+    assert a["anchor"].t is anchor and a["anchor_shared"] is False and a["n_anchor"] == anchor.numel()
+    assert a["grad_scale"] is None and a["n_grad_scale"] == 0
+    assert (a["steps"], a["lr"], a["prox"]) == (2, 0.1, 0.3)
+    assert (a["n_theta"], a["num_classes"], a["N"], a["m"]) == (theta.numel(), 3, 10, 3)
+    assert a["flag"].t.dtype == torch.int32 and a["flag"].t.numel() == 1
+    # gradients and evaluate keep the module's screen
+    adapter.gradients(model, theta, data, None, None)
+    assert len(adapter.module.screens) == 1
 
 
 def test_the_torch_screen_on_request_or_without_glm_screen(adapter, monkeypatch):

@@ -75,6 +75,7 @@ struct GlmArgs {
     T* loss_sum;               // [R] evaluate
     int64_t* correct;          // [R] evaluate
     int64_t* count;            // [R] evaluate
+    const int32_t* skip_if;    // [1] or null: a set flag (the value screen queued before) makes the launch a no-op
     int nt;                    // rows per chunk, 1..kMaxChunkRows
     int64_t ws;                // row stride of W and G: C, or C + 1 (odd) in shared memory
     bool params_in_smem;
@@ -136,6 +137,7 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<F, T, M>)) glm_kernel(co
     int64_t* ridx = reinterpret_cast<int64_t*>(smem + L.idx);  // [nt] absolute row indices
     int64_t* row_hit = reinterpret_cast<int64_t*>(smem + L.hit);  // [nt]
     const Y* y = static_cast<const Y*>(a.y);
+    if (a.skip_if && *a.skip_if) return;  // the whole block, before any barrier: a fault was screened
     const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
     // parameter e = k·C + c of a model row lives at k·ws + c in W and G; Walk gives (k, c)
     // without a 64-bit division per parameter (a long emulated sequence on the GPU)
@@ -402,8 +404,9 @@ cudaError_t glm_local_steps(int family, int64_t p, int64_t C, bool intercept, do
                             const void* x, const void* y, const int64_t* offsets, const int64_t* rows,
                             int64_t R, const int32_t* batches, int64_t B, const void* anchor,
                             bool anchor_shared, const void* grad_scale, int64_t steps, double lr, double prox,
-                            void* scratch, int64_t scratch_rows, cudaStream_t stream) {
+                            void* scratch, int64_t scratch_rows, const int32_t* skip_if, cudaStream_t stream) {
     GlmArgs<T> a = make_args<T>(p, C, intercept, l2, x, y, offsets, rows, R, theta);
+    a.skip_if = skip_if;
     a.batches = batches;
     a.B = B;
     a.anchor = static_cast<const T*>(anchor);
@@ -450,7 +453,8 @@ cudaError_t glm_evaluate(int family, int64_t p, int64_t C, bool intercept, doubl
     template cudaError_t glm_local_steps<T>(int, int64_t, int64_t, bool, double, void*, const void*,     \
                                             const void*, const int64_t*, const int64_t*, int64_t,          \
                                             const int32_t*, int64_t, const void*, bool, const void*,       \
-                                            int64_t, double, double, void*, int64_t, cudaStream_t);       \
+                                            int64_t, double, double, void*, int64_t, const int32_t*,      \
+                                            cudaStream_t);                                                 \
     template cudaError_t glm_gradients<T>(int, int64_t, int64_t, bool, double, const void*, bool,         \
                                           const void*, const void*, const int64_t*, const int64_t*,        \
                                           int64_t, const int32_t*, int64_t, void*, cudaStream_t);          \

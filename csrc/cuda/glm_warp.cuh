@@ -86,6 +86,7 @@ __device__ __forceinline__ void axpy_row(T (&acc)[CMAX], T xv, const T* w, int64
 template <Family F, typename T, int M, int KPL, int CMAX>
 __global__ void __launch_bounds__(kWarpBlockThreads, 1) glm_warp_kernel(const GlmArgs<T> a, const WarpLayout L) {
     using Y = label_t<F, T>;
+    if (a.skip_if && *a.skip_if) return;  // a fault was screened: the launch is a no-op
     // rows staged at once (batched_stage): kStage·KPL values of T a lane in registers
     constexpr int kStage = KPL * sizeof(T) <= 8 ? 8 : KPL * sizeof(T) <= 16 ? 4 : 2;
     extern __shared__ __align__(16) unsigned char smem[];

@@ -112,18 +112,30 @@ int64_t work_of(int64_t a, int64_t b) { return a > b ? a : b; }
 
 }  // namespace
 
-// *host_flag <- nonzero when the call may hold a fault (see the top of this file). Queues a
-// memset, the kernel and a copy on `stream`, then waits for it: the one synchronization of a
-// screened call. flag: [1] int32 device scratch. batches null with n_batches 0: no batches.
+// *host <- *flag after the work queued on `stream` (a copy, then a wait: `found` lives on the stack).
+cudaError_t read_flag(const int32_t* flag, int* host, cudaStream_t stream) {
+    int32_t found = 0;
+    cudaError_t err = cudaMemcpyAsync(&found, flag, sizeof(int32_t), cudaMemcpyDeviceToHost, stream);
+    if (err != cudaSuccess) return err;
+    err = cudaStreamSynchronize(stream);
+    if (err != cudaSuccess) return err;
+    *host = found;
+    return cudaSuccess;
+}
+
+// Queues the screen on `stream` without waiting: flag <- 0, then the kernel ORs 1 into it on a
+// fault. *decided <- 1 (and nothing is queued) when the host already knows the call must go to
+// the exact checks: model rows but no client, or more batch indices than the kernel's 32-bit
+// division takes. local_steps_screened queues the GLM kernel behind it, which reads the flag.
 template <typename T>
-cudaError_t glm_screen(const void* theta, int64_t n_theta, const void* anchor, int64_t n_anchor,
-                       const void* grad_scale, int64_t n_grad_scale, const void* x, const void* y, bool classifier,
-                       int64_t num_classes, int64_t N, int64_t p, const int64_t* offsets, int64_t m,
-                       const int64_t* rows, int64_t R, const int32_t* batches, int64_t n_batches, int32_t* flag,
-                       int* host_flag, cudaStream_t stream) {
-    *host_flag = 0;
+cudaError_t glm_screen_queue(const void* theta, int64_t n_theta, const void* anchor, int64_t n_anchor,
+                             const void* grad_scale, int64_t n_grad_scale, const void* x, const void* y,
+                             bool classifier, int64_t num_classes, int64_t N, int64_t p, const int64_t* offsets,
+                             int64_t m, const int64_t* rows, int64_t R, const int32_t* batches, int64_t n_batches,
+                             int32_t* flag, int* decided, cudaStream_t stream) {
+    *decided = 0;
     if (R > 0 && m < 1) {  // model rows but no client to read: a fault, and nothing to clamp into
-        *host_flag = 1;
+        *decided = 1;
         return cudaSuccess;
     }
     if (R == 0) {  // nothing is read but theta (as _values._glm_flags)
@@ -131,32 +143,51 @@ cudaError_t glm_screen(const void* theta, int64_t n_theta, const void* anchor, i
     }
     if (n_batches > 0 && n_batches % R != 0) return cudaErrorInvalidValue;  // not [R, ...]
     if (n_batches >= (int64_t(1) << 32)) {  // past the kernel's 32-bit index division: let the exact pass look
-        *host_flag = 1;
+        *decided = 1;
         return cudaSuccess;
     }
+    cudaError_t err = cudaMemsetAsync(flag, 0, sizeof(int32_t), stream);
+    if (err != cudaSuccess) return err;
     int64_t work = work_of(work_of(n_theta, n_anchor), work_of(n_grad_scale, R));
     work = work_of(work, n_batches * 32);  // a warp per gathered row
     if (N > 0) work = work_of(work, N * (p > 0 ? p : 1));
-    if (work == 0) return cudaSuccess;  // nothing to read: no launch, no synchronization
+    if (work == 0) return cudaSuccess;  // nothing to read: the flag stays 0
     int64_t blocks = (work + kThreads - 1) / kThreads;
     if (blocks > kMaxBlocks) blocks = kMaxBlocks;
-    cudaError_t err = cudaMemsetAsync(flag, 0, sizeof(int32_t), stream);
-    if (err != cudaSuccess) return err;
     glm_screen_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
         static_cast<const T*>(theta), n_theta, static_cast<const T*>(anchor), n_anchor,
         static_cast<const T*>(grad_scale), n_grad_scale, static_cast<const T*>(x), y, classifier, num_classes, N, p,
         offsets, m, rows, R, batches, n_batches, flag);
-    err = cudaGetLastError();
-    if (err != cudaSuccess) return err;
-    int32_t found = 0;
-    err = cudaMemcpyAsync(&found, flag, sizeof(int32_t), cudaMemcpyDeviceToHost, stream);
-    if (err != cudaSuccess) return err;
-    err = cudaStreamSynchronize(stream);  // `found` is a stack variable: wait before reading it
-    if (err != cudaSuccess) return err;
-    *host_flag = found;
-    return cudaSuccess;
+    return cudaGetLastError();
 }
 
+// *host_flag <- the flag read back: nonzero when the call may hold a fault (see the top of this
+// file). Queues the screen and a copy on `stream`, then waits for it: the one synchronization of
+// a screened call. flag: [1] int32 device scratch. batches null with n_batches 0: no batches.
+template <typename T>
+cudaError_t glm_screen(const void* theta, int64_t n_theta, const void* anchor, int64_t n_anchor,
+                       const void* grad_scale, int64_t n_grad_scale, const void* x, const void* y, bool classifier,
+                       int64_t num_classes, int64_t N, int64_t p, const int64_t* offsets, int64_t m,
+                       const int64_t* rows, int64_t R, const int32_t* batches, int64_t n_batches, int32_t* flag,
+                       int* host_flag, cudaStream_t stream) {
+    int decided = 0;
+    cudaError_t err = glm_screen_queue<T>(theta, n_theta, anchor, n_anchor, grad_scale, n_grad_scale, x, y,
+                                          classifier, num_classes, N, p, offsets, m, rows, R, batches, n_batches,
+                                          flag, &decided, stream);
+    if (err != cudaSuccess) return err;
+    *host_flag = decided;
+    if (decided) return cudaSuccess;
+    return read_flag(flag, host_flag, stream);
+}
+
+#define PFL_INSTANTIATE_QUEUE(T)                                                                          \
+    template cudaError_t glm_screen_queue<T>(const void*, int64_t, const void*, int64_t, const void*, int64_t,   \
+                                             const void*, const void*, bool, int64_t, int64_t, int64_t,          \
+                                             const int64_t*, int64_t, const int64_t*, int64_t, const int32_t*,    \
+                                             int64_t, int32_t*, int*, cudaStream_t);
+PFL_INSTANTIATE_QUEUE(float)
+PFL_INSTANTIATE_QUEUE(double)
+#undef PFL_INSTANTIATE_QUEUE
 template cudaError_t glm_screen<float>(const void*, int64_t, const void*, int64_t, const void*, int64_t, const void*,
                                        const void*, bool, int64_t, int64_t, int64_t, const int64_t*, int64_t,
                                        const int64_t*, int64_t, const int32_t*, int64_t, int32_t*, int*,

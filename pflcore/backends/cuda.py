@@ -13,7 +13,9 @@ gradients, evaluate) screen with the module's ``glm_screen`` instead: one bindin
 kernel and one host read in place of the torch screen's ~20 small ops (~5-8 µs of launch time
 each); a flag runs the exact checks of ``_faults.py`` as the torch screen's does.
 PFLCORE_CUDA_SCREEN=torch keeps the torch screen (for A/B timing, and as a fallback); a module
-built without ``glm_screen`` uses it too.
+built without ``glm_screen`` uses it too. PFLCORE_CUDA_SCREEN=fused (local_steps only, not yet
+run on a GPU): the screen and the steps in one module call with one synchronization, the steps'
+kernel a no-op when the screen flags.
 """
 from __future__ import annotations
 
@@ -236,6 +238,14 @@ class CudaAdapter(Adapter):
     def local_steps(self, model, theta, data, rows, batches, anchor, grad_scale, steps, lr, prox, trusted=False):
         if steps == 0:
             return
+        if not trusted and os.environ.get("PFLCORE_CUDA_SCREEN", "") == "fused" and \
+                hasattr(self.module, "local_steps_screened"):
+            if self._local_steps_screened(model, theta, data, rows, batches, anchor, grad_scale, steps, lr, prox):
+                return
+            # flagged, theta untouched: the exact checks raise, or it was a false alarm and the
+            # values are known good
+            _faults.glm_fault(model, theta, data, rows, batches, anchor, grad_scale)
+            trusted = True
         if not trusted:  # the run's own draws: no pre-pass, no host sync (see _values.py)
             self._screen(model, theta, data, rows, batches, anchor, grad_scale)
         dev, dt = theta.device, theta.dtype
@@ -249,6 +259,31 @@ class CudaAdapter(Adapter):
                    ptr(anchor, "anchor", dev, dt), anchor is not None and anchor.dim() == 1,
                    ptr(grad_scale, "grad_scale", dev, dt), steps, lr, prox, ptr(buf, "scratch", dev, dt),
                    n_scratch, dtype_name(theta), stream(theta))
+
+    def _local_steps_screened(self, model, theta, data, rows, batches, anchor, grad_scale, steps, lr, prox) -> bool:
+        """PFLCORE_CUDA_SCREEN=fused: the screen and the steps in one module call with one
+        synchronization (the steps' kernel does nothing when the screen flags). True when the steps
+        ran; False when the screen flagged and theta was not written. Not the default until a GPU
+        has run it."""
+        dev, dt = theta.device, theta.dtype
+        x, y, offsets = data.x, data.y, data.offsets
+        rows_all = all_rows(data, rows)  # held until the call returns (only its address goes)
+        n_scratch = min(theta.shape[0], self._scratch_rows(model, dt, dev))
+        buf = scratch(n_scratch * model.d, dt, dev) if n_scratch else None
+        flag = scratch(1, torch.int32, dev)
+        args = glm_args(model, theta, data, rows_all) + (
+            ptr(batches, "batches", dev, torch.int32), 0 if batches is None else batches.shape[2],
+            ptr(anchor, "anchor", dev, dt), anchor is not None and anchor.dim() == 1,
+            ptr(grad_scale, "grad_scale", dev, dt), steps, lr, prox, ptr(buf, "scratch", dev, dt), n_scratch,
+            theta.numel(), 0 if anchor is None else anchor.numel(), 0 if grad_scale is None else grad_scale.numel(),
+            model.num_classes if model.is_classifier else 0, x.shape[0], offsets.numel() - 1,
+            0 if batches is None else batches.numel(), ptr(flag, "flag", dev, torch.int32), dtype_name(theta),
+            stream(theta))
+        with torch.cuda.device(dev):
+            try:
+                return not self.module.local_steps_screened(*args)
+            except RuntimeError as exc:
+                raise CudaKernelError(f"local_steps: the CUDA backend failed ({exc}). {_HINT}") from exc
 
     def gradients(self, model, theta, data, rows, batches, trusted=False):
         if not trusted:  # the run's own draws: no pre-pass, no host sync (see _values.py)

@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from conftest import DTYPES, make_data, make_model
+from conftest import DTYPES, TOL, make_data, make_model
 from _gpu import GPU, SKIP, require
 from pflcore import backend, ops
 from pflcore.backends import cuda as _cuda
@@ -155,3 +155,55 @@ def test_the_screen_is_skipped_for_trusted_calls_and_the_torch_one_is_kept(monke
     with backend.use("cuda"), pytest.raises(type(want.value), match=re.escape(str(want.value))):
         _run("mini", _on(c, GPU), ref=False)
     assert isinstance(backend.adapter("cuda"), _cuda.CudaAdapter)
+
+
+# ---- PFLCORE_CUDA_SCREEN=fused: local_steps and its screen in one module call ----------------
+
+STEPS_CASES = [c for c in CASES if c.values[2] == "steps"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("family,name,call,edit", STEPS_CASES)
+def test_fused_screen_faults_are_the_reference_ones_and_theta_is_untouched(monkeypatch, dtype, family, name, call,
+                                                                          edit):
+    """A fault in a minibatch local_steps call: the reference's error, and the device theta as it
+    was (the steps' kernel did nothing behind the flag)."""
+    require("cuda")
+    monkeypatch.setenv("PFLCORE_CUDA_SCREEN", "fused")
+    c = _edited(family, dtype, edit)
+    with pytest.raises(ValueError) as want:
+        _run(call, c, ref=True)
+    d = _on(c, GPU)
+    theta = d["theta"].clone()
+    before = theta.clone()
+    with backend.use("cuda"), pytest.raises(type(want.value), match=re.escape(str(want.value))):
+        ops.local_steps(d["model"], theta, d["data"], steps=1, lr=0.05, prox=0.3, anchor=d["anchor"],
+                        batches=d["batches"], rows=d["rows"], grad_scale=d["grad_scale"])
+    # (a NaN or inf edited into theta stays where it was: compare with those mapped to numbers)
+    assert torch.equal(torch.nan_to_num(theta), torch.nan_to_num(before)), "theta was written"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("family", ["softmax", "logistic", "least_squares"])
+def test_fused_screen_on_clean_inputs_is_the_module_screens_result(monkeypatch, dtype, family):
+    """Clean inputs: the fused call's theta equals the reference's and is bitwise the one of the
+    separate screen (the same kernel), full batch and minibatches."""
+    require("cuda")
+    c = _case(family, dtype)
+    d = _on(c, GPU)
+    for kw in (dict(), dict(batches=d["batches"], rows=d["rows"], anchor=d["anchor"], grad_scale=d["grad_scale"])):
+        ref_kw = {k: v.cpu() for k, v in kw.items()}
+        R = d["theta"].shape[0] if kw else d["data"].num_clients
+        want = ops.local_steps_ref(c["model"], c["theta"][:R].clone(), c["data"], steps=2 if not kw else 1, lr=0.05,
+                                   **ref_kw)
+        got = {}
+        for screen in ("module", "fused"):
+            if screen == "fused":
+                monkeypatch.setenv("PFLCORE_CUDA_SCREEN", "fused")
+            else:
+                monkeypatch.delenv("PFLCORE_CUDA_SCREEN", raising=False)
+            with backend.use("cuda"):
+                got[screen] = ops.local_steps(d["model"], d["theta"][:R].clone(), d["data"], steps=2 if not kw else 1,
+                                              lr=0.05, **kw)
+        torch.testing.assert_close(got["fused"].cpu(), want, **TOL[dtype])
+        assert torch.equal(got["fused"], got["module"])
