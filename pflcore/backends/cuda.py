@@ -268,18 +268,18 @@ class CudaAdapter(Adapter):
         dev, dt = theta.device, theta.dtype
         x, y, offsets = data.x, data.y, data.offsets
         rows_all = all_rows(data, rows)  # held until the call returns (only its address goes)
-        n_scratch = min(theta.shape[0], self._scratch_rows(model, dt, dev))
-        buf = scratch(n_scratch * model.d, dt, dev) if n_scratch else None
-        flag = scratch(1, torch.int32, dev)
-        args = glm_args(model, theta, data, rows_all) + (
-            ptr(batches, "batches", dev, torch.int32), 0 if batches is None else batches.shape[2],
-            ptr(anchor, "anchor", dev, dt), anchor is not None and anchor.dim() == 1,
-            ptr(grad_scale, "grad_scale", dev, dt), steps, lr, prox, ptr(buf, "scratch", dev, dt), n_scratch,
-            theta.numel(), 0 if anchor is None else anchor.numel(), 0 if grad_scale is None else grad_scale.numel(),
-            model.num_classes if model.is_classifier else 0, x.shape[0], offsets.numel() - 1,
-            0 if batches is None else batches.numel(), ptr(flag, "flag", dev, torch.int32), dtype_name(theta),
-            stream(theta))
-        with torch.cuda.device(dev):
+        with torch.cuda.device(dev):  # the scratch rows are asked of the call's device
+            n_scratch = min(theta.shape[0], self._scratch_rows(model, dt, dev))
+            buf = scratch(n_scratch * model.d, dt, dev) if n_scratch else None
+            flag = scratch(1, torch.int32, dev)
+            args = glm_args(model, theta, data, rows_all) + (
+                ptr(batches, "batches", dev, torch.int32), 0 if batches is None else batches.shape[2],
+                ptr(anchor, "anchor", dev, dt), anchor is not None and anchor.dim() == 1,
+                ptr(grad_scale, "grad_scale", dev, dt), steps, lr, prox, ptr(buf, "scratch", dev, dt), n_scratch,
+                theta.numel(), 0 if anchor is None else anchor.numel(),
+                0 if grad_scale is None else grad_scale.numel(), model.num_classes if model.is_classifier else 0,
+                x.shape[0], offsets.numel() - 1, 0 if batches is None else batches.numel(),
+                ptr(flag, "flag", dev, torch.int32), dtype_name(theta), stream(theta))
             try:
                 return not self.module.local_steps_screened(*args)
             except RuntimeError as exc:
