@@ -10,7 +10,7 @@
 set -u
 OUT=${OUT:-/tmp/h100-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-PY=python3
+PY=${PY:-python3}
 T0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 STAGES=${STAGES:-"build tests san bench over fed ncu"}
