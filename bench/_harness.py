@@ -90,6 +90,23 @@ def torch_threads(n: int) -> Iterator[None]:
         torch.set_num_threads(old)
 
 
+@contextlib.contextmanager
+def environ(**values: str) -> Iterator[None]:
+    """The environment variables ``values`` set inside the block; each restored on exit (unset
+    if it was unset). For the variants an op reads from the environment at each call, e.g.
+    PFLCORE_CUDA_GLM."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 class Stopwatch:
     """Wraps attributes ``(owner, name)`` (functions of modules or classes) and adds up the
     seconds spent inside them while the block runs; restores them on exit."""

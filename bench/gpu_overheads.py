@@ -68,16 +68,13 @@ def main(argv=None) -> int:
                               torch.tensor([0, 20], device=dev))
     theta = torch.zeros(1, model.d, device=dev)
     with backend.use("cuda"):
-        record("local_steps_small_op_s", lambda: ops.local_steps(model, theta, data, steps=1, lr=0.01))
-        os.environ["PFLCORE_CUDA_SCREEN"] = "torch"
-        record("local_steps_small_op_torch_screen_s", lambda: ops.local_steps(model, theta, data, steps=1, lr=0.01))
-        del os.environ["PFLCORE_CUDA_SCREEN"]
-        os.environ["PFLCORE_CUDA_SCREEN"] = "fused"
-        record("local_steps_small_op_fused_screen_s", lambda: ops.local_steps(model, theta, data, steps=1, lr=0.01))
-        os.environ["PFLCORE_CUDA_GLM"] = "warp_batched"
-        record("local_steps_small_op_fused_screen_warp_batched_s",
-               lambda: ops.local_steps(model, theta, data, steps=1, lr=0.01))
-        del os.environ["PFLCORE_CUDA_SCREEN"], os.environ["PFLCORE_CUDA_GLM"]
+        for name, env in (("local_steps_small_op_s", {}),
+                          ("local_steps_small_op_torch_screen_s", {"PFLCORE_CUDA_SCREEN": "torch"}),
+                          ("local_steps_small_op_fused_screen_s", {"PFLCORE_CUDA_SCREEN": "fused"}),
+                          ("local_steps_small_op_fused_screen_warp_batched_s",
+                           {"PFLCORE_CUDA_SCREEN": "fused", "PFLCORE_CUDA_GLM": "warp_batched"})):
+            with harness.environ(**env):
+                record(name, lambda: ops.local_steps(model, theta, data, steps=1, lr=0.01))
         record("local_steps_small_trusted_s", lambda: run_local_steps(model, theta, data, 1, 0.01, 0.0, None, None,
                                                                       None, None, True))
     ad = backend.ADAPTERS["cuda"]
@@ -94,9 +91,8 @@ def main(argv=None) -> int:
     th = torch.randn(m, d, generator=g, device=dev)
     w = torch.rand(m, generator=g, device=dev) + 0.1
     record("average_op_s", lambda: ops.average(th, w), calls=100)
-    os.environ["PFLCORE_CUDA_AVERAGE"] = "fused"
-    record("average_op_fused_s", lambda: ops.average(th, w), calls=100)
-    del os.environ["PFLCORE_CUDA_AVERAGE"]
+    with harness.environ(PFLCORE_CUDA_AVERAGE="fused"):
+        record("average_op_fused_s", lambda: ops.average(th, w), calls=100)
     safe, wsum, flags = _values.average_screen(th, w, None)
     out = torch.empty(d, device=dev)
     buf = torch.empty(module.average_scratch(m, d), dtype=torch.float64, device=dev)

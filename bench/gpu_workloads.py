@@ -102,17 +102,8 @@ def variant_time(variant: str, fn, cfg: Config, setup=lambda: None) -> float:
     """``best_of(fn)`` on the cuda backend with PFLCORE_CUDA_GLM=``variant``: "block" (glm.cu's
     block kernel for every shape) or "warp_batched" (the warp kernel's batched staging): the
     default warp kernel's A/B in the same process."""
-    import os
-    before = os.environ.get("PFLCORE_CUDA_GLM")
-    os.environ["PFLCORE_CUDA_GLM"] = variant
-    try:
-        with backend.use("cuda"):
-            return best_of(fn, cfg, setup)
-    finally:
-        if before is None:
-            del os.environ["PFLCORE_CUDA_GLM"]
-        else:
-            os.environ["PFLCORE_CUDA_GLM"] = before
+    with harness.environ(PFLCORE_CUDA_GLM=variant), backend.use("cuda"):
+        return best_of(fn, cfg, setup)
 
 
 # ---- 1. local_steps --------------------------------------------------------------------------
@@ -281,21 +272,11 @@ def bench_small_call(cfg: Config) -> Dict:
     if cfg.kernel == "cuda" and "cuda_s" in out:
         # the variants not yet the default: the screen and the steps in one call, and with the
         # batched staging too
-        import os
         for key, env in (("cuda_fused_screen_s", {"PFLCORE_CUDA_SCREEN": "fused"}),
                          ("cuda_fused_screen_warp_batched_s", {"PFLCORE_CUDA_SCREEN": "fused",
                                                                "PFLCORE_CUDA_GLM": "warp_batched"})):
-            before = {k: os.environ.get(k) for k in env}
-            os.environ.update(env)
-            try:
-                with backend.use("cuda"):
-                    out[key] = median_call(lambda: ops.local_steps(model, theta, data, steps=1, lr=0.01), cfg)
-            finally:
-                for k, v in before.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
+            with harness.environ(**env), backend.use("cuda"):
+                out[key] = median_call(lambda: ops.local_steps(model, theta, data, steps=1, lr=0.01), cfg)
     return out
 
 
@@ -371,9 +352,7 @@ def bench_server_ops(cfg: Config, bw: float) -> Dict:
         out["fraction_of_copy_bandwidth"] = nbytes / out["s"] / bw
         out["speedup_vs_reference"] = out["reference_s"] / out["s"]
         if op == "average" and out["served_by"] == "cuda":  # the screen in the kernels (PFLCORE_CUDA_AVERAGE)
-            import os
-            os.environ["PFLCORE_CUDA_AVERAGE"] = "fused"
-            try:
+            with harness.environ(PFLCORE_CUDA_AVERAGE="fused"):
                 diff = float((fn(*args).double().cpu() - want.double().cpu()).abs().max())
                 out["fused_max_abs_diff_vs_reference"] = diff
                 if diff <= 1e-4:
@@ -382,8 +361,6 @@ def bench_server_ops(cfg: Config, bw: float) -> Dict:
                 else:
                     out["fused_error"] = f"disagrees with average_ref (max |Δ| = {diff:.3g})"
                     print(f"average (fused): {out['fused_error']}", flush=True)
-            finally:
-                del os.environ["PFLCORE_CUDA_AVERAGE"]
         res[op] = out
     del theta, R
     return res

@@ -204,17 +204,24 @@ void check_glm(const std::string& op, int family, int64_t p, int64_t C, bool f64
     }
 }
 
+// The arguments local_steps and local_steps_screened share: the GLM's, the minibatches', the scratch's.
+void check_local_steps(const std::string& op, int family, int64_t p, int64_t C, bool f64, ptr_t theta, ptr_t x,
+                       ptr_t y, ptr_t offsets, ptr_t rows, int64_t R, ptr_t batches, int64_t B, ptr_t scratch,
+                       int64_t scratch_rows) {
+    check_glm(op, family, p, C, f64, theta, x, y, offsets, rows, R);
+    require(batches == 0 || B >= 1, op, "batches need B >= 1");
+    require(scratch_rows >= 0, op, "scratch_rows must be >= 0, got " + std::to_string(scratch_rows));
+    if (scratch_rows > 0) require_pointer(scratch, op, "scratch");
+}
+
 void local_steps(int family, int64_t p, int64_t C, bool intercept, double l2, ptr_t theta, ptr_t x, ptr_t y,
                  ptr_t offsets, ptr_t rows, int64_t R, ptr_t batches, int64_t B, ptr_t anchor, bool anchor_shared,
                  ptr_t grad_scale, int64_t steps, double lr, double prox, ptr_t scratch, int64_t scratch_rows,
                  const std::string& dtype, ptr_t stream) {
     const std::string op = "local_steps";
     const bool f64 = is_f64(dtype, op);
-    check_glm(op, family, p, C, f64, theta, x, y, offsets, rows, R);
+    check_local_steps(op, family, p, C, f64, theta, x, y, offsets, rows, R, batches, B, scratch, scratch_rows);
     require(steps >= 0, op, "steps must be >= 0");
-    require(batches == 0 || B >= 1, op, "batches need B >= 1");
-    require(scratch_rows >= 0, op, "scratch_rows must be >= 0, got " + std::to_string(scratch_rows));
-    if (scratch_rows > 0) require_pointer(scratch, op, "scratch");
     cudaError_t err;
     {
         py::gil_scoped_release nogil;
@@ -242,11 +249,8 @@ int local_steps_screened(int family, int64_t p, int64_t C, bool intercept, doubl
                          const std::string& dtype, ptr_t stream) {
     const std::string op = "local_steps";
     const bool f64 = is_f64(dtype, op);
-    check_glm(op, family, p, C, f64, theta, x, y, offsets, rows, R);
+    check_local_steps(op, family, p, C, f64, theta, x, y, offsets, rows, R, batches, B, scratch, scratch_rows);
     require(steps >= 1, op, "steps must be >= 1");
-    require(batches == 0 || B >= 1, op, "batches need B >= 1");
-    require(scratch_rows >= 0, op, "scratch_rows must be >= 0, got " + std::to_string(scratch_rows));
-    if (scratch_rows > 0) require_pointer(scratch, op, "scratch");
     require(n_theta >= 0 && n_anchor >= 0 && n_grad_scale >= 0 && N >= 0 && m >= 0 && n_batches >= 0, op,
             "sizes must be >= 0");
     require(n_batches == 0 || R == 0 || n_batches % R == 0, op, "n_batches must be a multiple of R");
@@ -453,18 +457,24 @@ int64_t average_scratch(int64_t R, int64_t d) {
     return pc::average_scratch(R, d);
 }
 
-void average(ptr_t theta, ptr_t weights, ptr_t rows, int64_t M, int64_t d, int64_t R, ptr_t wsum, ptr_t out,
-             ptr_t scratch, const std::string& dtype, ptr_t stream) {
-    const std::string op = "average";
-    const bool f64 = is_f64(dtype, op);
-    // R = 0 (no rows) has no mean: the adapter raises before it gets here
+// The arguments average and average_fused share. R = 0 (no rows) has no mean: the adapter raises
+// before it gets here.
+void check_average(const std::string& op, ptr_t theta, ptr_t weights, ptr_t rows, int64_t M, int64_t d, int64_t R,
+                   ptr_t out, ptr_t scratch) {
     require(M >= 1 && d >= 1 && R >= 1, op, "expected M, d, R >= 1");
     require(rows != 0 || R == M, op, "without rows, R must be M");
     require_pointer(theta, op, "theta");
     require_pointer(weights, op, "weights");
-    require_pointer(wsum, op, "wsum");
     require_pointer(out, op, "out");
     require_pointer(scratch, op, "scratch");
+}
+
+void average(ptr_t theta, ptr_t weights, ptr_t rows, int64_t M, int64_t d, int64_t R, ptr_t wsum, ptr_t out,
+             ptr_t scratch, const std::string& dtype, ptr_t stream) {
+    const std::string op = "average";
+    const bool f64 = is_f64(dtype, op);
+    check_average(op, theta, weights, rows, M, d, R, out, scratch);
+    require_pointer(wsum, op, "wsum");
     cudaError_t err;
     {
         py::gil_scoped_release nogil;
@@ -488,12 +498,7 @@ int average_fused(ptr_t theta, ptr_t weights, ptr_t rows, int64_t M, int64_t d, 
                   ptr_t flag, const std::string& dtype, ptr_t stream) {
     const std::string op = "average";
     const bool f64 = is_f64(dtype, op);
-    require(M >= 1 && d >= 1 && R >= 1, op, "expected M, d, R >= 1");
-    require(rows != 0 || R == M, op, "without rows, R must be M");
-    require_pointer(theta, op, "theta");
-    require_pointer(weights, op, "weights");
-    require_pointer(out, op, "out");
-    require_pointer(scratch, op, "scratch");
+    check_average(op, theta, weights, rows, M, d, R, out, scratch);
     require_pointer(flag, op, "flag");
     int found = 0;
     cudaError_t err;

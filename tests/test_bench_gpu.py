@@ -15,24 +15,24 @@ sys.path.insert(0, BENCH)
 import gpu_workloads as W  # noqa: E402
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the script measures (minutes)")
-def test_without_a_gpu_it_says_so_and_exits_0(tmp_path):
-    out = tmp_path / "gpu.json"
-    r = subprocess.run([sys.executable, os.path.join(BENCH, "gpu.py"), "--out", str(out)],
+def _run_without_a_gpu(script, out):
+    """``bench/<script> --out <out>`` in a subprocess: (its stdout); it must exit 0 and write nothing."""
+    r = subprocess.run([sys.executable, os.path.join(BENCH, script), "--out", str(out)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert "no CUDA device is visible to torch" in r.stdout and "--dry-run" in r.stdout
     assert not out.exists(), "nothing measured, nothing written"
+    return r.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the script measures (minutes)")
+def test_without_a_gpu_it_says_so_and_exits_0(tmp_path):
+    stdout = _run_without_a_gpu("gpu.py", tmp_path / "gpu.json")
+    assert "no CUDA device is visible to torch" in stdout and "--dry-run" in stdout
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the script measures")
 def test_the_overheads_benchmark_without_a_gpu_says_so_and_exits_0(tmp_path):
-    out = tmp_path / "over.json"
-    r = subprocess.run([sys.executable, os.path.join(BENCH, "gpu_overheads.py"), "--out", str(out)],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    assert "no CUDA device" in r.stdout
-    assert not out.exists()
+    assert "no CUDA device" in _run_without_a_gpu("gpu_overheads.py", tmp_path / "over.json")
 
 
 def test_table_rows_apply_the_targets():

@@ -149,6 +149,9 @@ average_finish_kernel(const double* __restrict__ partial,  // [nchunks, d]
 // float64 values of average's scratch (the chunks' partial sums) for R rows of d columns.
 int64_t average_scratch(int64_t R, int64_t d) { return num_chunks(R) * d; }
 
+// *host <- *flag after the work queued on `stream` (csrc/cuda/screen.cu).
+cudaError_t read_flag(const int32_t* flag, int* host, cudaStream_t stream);
+
 // float64 values of average_fused's scratch: the partial sums and each chunk's weight sum.
 int64_t average_fused_scratch(int64_t R, int64_t d) { return num_chunks(R) * (d + 1); }
 
@@ -193,13 +196,7 @@ cudaError_t average_fused(const void* theta, const void* weights, const int64_t*
     double* wpart = scratch + num_chunks(R) * d;
     err = launch_average<T>(theta, weights, rows, M, R, d, nullptr, out, scratch, wpart, flag, stream);
     if (err != cudaSuccess) return err;
-    int32_t found = 0;
-    err = cudaMemcpyAsync(&found, flag, sizeof(int32_t), cudaMemcpyDeviceToHost, stream);
-    if (err != cudaSuccess) return err;
-    err = cudaStreamSynchronize(stream);  // `found` is a stack variable: wait before reading it
-    if (err != cudaSuccess) return err;
-    *host_flag = found;
-    return cudaSuccess;
+    return read_flag(flag, host_flag, stream);
 }
 
 template cudaError_t average<float>(const void*, const void*, const int64_t*, int64_t, int64_t, const double*,
