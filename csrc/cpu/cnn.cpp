@@ -52,6 +52,16 @@ constexpr int kVecBytes = 32;
 // shifted_corr): 12, of AVX2's 16 registers. With AVX-512's 32, blocks of 24 measured no faster
 // (MNIST and CIFAR-shaped steps at 1 thread, AMD Zen 5).
 constexpr int kAccumulators = 12;
+// The weight gradient's working set (a model's output-gradient and input planes) up to which its
+// blocks run over every image at once (cnn_shifted_corr): within L2 on the CPUs this targets (AMD
+// Zen 2–5: 512 KB–1 MB; Intel's cores since 2019: 512 KB–2 MB), the second layers of the MNIST and
+// CIFAR nets (~270–290 KB at B = 20) included.
+constexpr int64_t kCorrImagesBytes = 448 * 1024;
+#if defined(__AVX512F__)
+constexpr int kCorrAccumulators = 24;
+#else
+constexpr int kCorrAccumulators = kAccumulators;
+#endif
 
 template <typename T>
 struct Vec {
@@ -128,10 +138,9 @@ inline void gemm_rows_from(const T* src, const int64_t* off, int64_t Tn, const T
 // each block (FMA latency × ports on AVX2 machines: fewer leave the FMA units idle): 4 rows × 3
 // vectors, 3 × 4 where R is a multiple of 3 but not of 4, and a remainder of 1 or 2 rows in
 // blocks of 12 or 6 vectors (a 2-row remainder in 2 × 3 blocks ran at ~60% of the 4 × 3 rate).
-template <typename T>
+template <typename T, int A = kAccumulators>
 inline void gemm_all_rows(const T* src, const int64_t* off, int64_t Tn, const T* w, const T* bias, int64_t R,
                           int64_t P, T* out, int64_t out_row) {
-  constexpr int A = kAccumulators;
   int64_t r = 0;
   if (R % 4 != 0 && R % 3 == 0) {
     for (; r < R; r += 3)
@@ -154,30 +163,37 @@ inline void gemm_all_rows(const T* src, const int64_t* off, int64_t Tn, const T*
 }
 
 // acc[r][t] (r < RB, t < TB: vectors of per-lane partial sums, rows of Tn) += Σ over the P
-// positions of one image of a[r][q]·src[q + off[t]].
+// positions of images [0, n) (strides a_img, src_img) of a[r][q]·src[q + off[t]]. The accumulators
+// stay in registers across the images: a call per image (n = 1) loads and stores them once per
+// image and block, which at the small planes of a second layer (P = 96: 6 vectors) was a third of
+// the memory operations.
 template <typename T, int RB, int TB>
-inline void corr_block(const T* a, int64_t a_row, const T* src, const int64_t* off, int64_t P,
-                       typename Vec<T>::type* acc_mem, int64_t Tn) {
+inline void corr_block(const T* a, int64_t a_img, int64_t a_row, const T* src, int64_t src_img, const int64_t* off,
+                       int64_t P, int64_t n, typename Vec<T>::type* acc_mem, int64_t Tn) {
   using V = Vec<T>;
   using v_t = typename V::type;
   v_t acc[RB][TB];
   for (int r = 0; r < RB; ++r)
     for (int t = 0; t < TB; ++t) acc[r][t] = acc_mem[r * Tn + t];
-  for (int64_t q = 0; q < P; q += V::lanes) {
-    // the shorter side's vectors live (as in gemm_block): 16 registers at most
-    if constexpr (RB <= TB) {
-      v_t av[RB];
-      for (int r = 0; r < RB; ++r) av[r] = V::load(a + r * a_row + q);
-      for (int t = 0; t < TB; ++t) {
-        const v_t x = V::load(src + off[t] + q);
-        for (int r = 0; r < RB; ++r) acc[r][t] += av[r] * x;
-      }
-    } else {
-      v_t x[TB];
-      for (int t = 0; t < TB; ++t) x[t] = V::load(src + off[t] + q);
-      for (int r = 0; r < RB; ++r) {
-        const v_t ar = V::load(a + r * a_row + q);
-        for (int t = 0; t < TB; ++t) acc[r][t] += ar * x[t];
+  for (int64_t i = 0; i < n; ++i) {
+    const T* ai = a + i * a_img;
+    const T* si = src + i * src_img;
+    for (int64_t q = 0; q < P; q += V::lanes) {
+      // the shorter side's vectors live (as in gemm_block)
+      if constexpr (RB <= TB) {
+        v_t av[RB];
+        for (int r = 0; r < RB; ++r) av[r] = V::load(ai + r * a_row + q);
+        for (int t = 0; t < TB; ++t) {
+          const v_t x = V::load(si + off[t] + q);
+          for (int r = 0; r < RB; ++r) acc[r][t] += av[r] * x;
+        }
+      } else {
+        v_t x[TB];
+        for (int t = 0; t < TB; ++t) x[t] = V::load(si + off[t] + q);
+        for (int r = 0; r < RB; ++r) {
+          const v_t ar = V::load(ai + r * a_row + q);
+          for (int t = 0; t < TB; ++t) acc[r][t] += ar * x[t];
+        }
       }
     }
   }
@@ -187,29 +203,34 @@ inline void corr_block(const T* a, int64_t a_row, const T* src, const int64_t* o
 
 // Taps [t, Tn) of rows [r0, r0 + RB): blocks of TB taps, then one of the remaining taps.
 template <typename T, int RB, int TB>
-inline void corr_taps_from(const T* a, int64_t a_row, const T* src, const int64_t* off, int64_t t, int64_t Tn,
-                           int64_t P, typename Vec<T>::type* acc) {
-  for (; t + TB <= Tn; t += TB) corr_block<T, RB, TB>(a, a_row, src, off + t, P, acc + t, Tn);
+inline void corr_taps_from(const T* a, int64_t a_img, int64_t a_row, const T* src, int64_t src_img,
+                           const int64_t* off, int64_t t, int64_t Tn, int64_t P, int64_t n,
+                           typename Vec<T>::type* acc) {
+  for (; t + TB <= Tn; t += TB) corr_block<T, RB, TB>(a, a_img, a_row, src, src_img, off + t, P, n, acc + t, Tn);
   if constexpr (TB > 1) {
-    if (t < Tn) corr_taps_from<T, RB, TB - 1>(a, a_row, src, off, t, Tn, P, acc);
+    if (t < Tn) corr_taps_from<T, RB, TB - 1>(a, a_img, a_row, src, src_img, off, t, Tn, P, n, acc);
   }
 }
 
-// One image's contribution to every row and tap; blocks of 12 accumulators as in gemm_all_rows.
+// Images [0, n)'s contribution to every row and tap; blocks of 12 accumulators as in gemm_all_rows.
 template <typename T>
-inline void corr_image(const T* a, int64_t a_row, const T* src, const int64_t* off, int64_t Tn, int64_t R,
-                       int64_t P, typename Vec<T>::type* acc) {
-  constexpr int A = kAccumulators;
+inline void corr_images(const T* a, int64_t a_img, int64_t a_row, const T* src, int64_t src_img, const int64_t* off,
+                        int64_t Tn, int64_t R, int64_t P, int64_t n, typename Vec<T>::type* acc) {
+  constexpr int A = kCorrAccumulators;
   int64_t r = 0;
   if (R % 4 != 0 && R % 3 == 0) {
-    for (; r < R; r += 3) corr_taps_from<T, 3, A / 3>(a + r * a_row, a_row, src, off, 0, Tn, P, acc + r * Tn);
+    for (; r < R; r += 3)
+      corr_taps_from<T, 3, A / 3>(a + r * a_row, a_img, a_row, src, src_img, off, 0, Tn, P, n, acc + r * Tn);
     return;
   }
-  for (; r + 4 <= R; r += 4) corr_taps_from<T, 4, A / 4>(a + r * a_row, a_row, src, off, 0, Tn, P, acc + r * Tn);
+  for (; r + 4 <= R; r += 4)
+    corr_taps_from<T, 4, A / 4>(a + r * a_row, a_img, a_row, src, src_img, off, 0, Tn, P, n, acc + r * Tn);
+  const T* ar = a + r * a_row;
+  auto* accr = acc + r * Tn;
   switch (R - r) {
-    case 3: corr_taps_from<T, 3, A / 3>(a + r * a_row, a_row, src, off, 0, Tn, P, acc + r * Tn); break;
-    case 2: corr_taps_from<T, 2, A / 2>(a + r * a_row, a_row, src, off, 0, Tn, P, acc + r * Tn); break;
-    case 1: corr_taps_from<T, 1, A>(a + r * a_row, a_row, src, off, 0, Tn, P, acc + r * Tn); break;
+    case 3: corr_taps_from<T, 3, A / 3>(ar, a_img, a_row, src, src_img, off, 0, Tn, P, n, accr); break;
+    case 2: corr_taps_from<T, 2, A / 2>(ar, a_img, a_row, src, src_img, off, 0, Tn, P, n, accr); break;
+    case 1: corr_taps_from<T, 1, A>(ar, a_img, a_row, src, src_img, off, 0, Tn, P, n, accr); break;
     default: break;
   }
 }
@@ -233,26 +254,39 @@ void cnn_shifted_gemm(const T* src, int64_t src_img, const int64_t* off, int64_t
 template <typename T>
 void cnn_input_grad(const T* dz, int64_t dz_img, int64_t dz_row, const T* wt, int64_t G, int64_t n, int64_t Cout,
                     int64_t Cin, int64_t k, int64_t Wp, int64_t P, int64_t Qv, T* dx, int64_t dx_img, int64_t dx_row) {
-  constexpr int L = Vec<T>::lanes;
+  using V = Vec<T>;
   const int64_t K2 = k * k;
   std::vector<int64_t> off(Cout);  // the taps of the GEMM: the output-gradient planes
   for (int64_t co = 0; co < Cout; ++co) off[co] = co * dz_row;
-  std::vector<T> cols(K2 * P);
-  const int64_t Qvec = Qv - Qv % L;
+  // col2im as a gather: each vector of an input-gradient row sums, tap by tap, the tap planes at
+  // its position minus the tap's offset (loads only, one store). Adding each tap plane onto the
+  // row in turn (a load and a store per tap, at offsets one element apart) stalled on store-to-load
+  // forwarding: 30% of the op. Every tap plane sits in a row of cols between zeros: `lead`
+  // before it (the largest offset) and zeros after it to the row's end, so a position a tap does
+  // not reach reads a zero (the planes' positions past Qv are zeros too: the output gradient is
+  // zero there). Per element the taps add in the same order as before (t ascending) onto zero.
+  const int64_t lead = (k - 1) * Wp + (k - 1);
+  const int64_t stride = lead + std::max(dx_row, P);
+  std::vector<T> cols(K2 * stride);  // zeros, and the GEMM writes [lead, lead + P) of each row
+  std::vector<int64_t> from(K2);         // where tap t's plane is read for position 0
+  for (int64_t t = 0; t < K2; ++t) from[t] = t * stride + lead - ((t / k) * Wp + t % k);
   for (int64_t g = 0; g < G; ++g)
     for (int64_t i = g * n; i < (g + 1) * n; ++i) {
       const T* s = dz + i * dz_img;
       for (int64_t ci = 0; ci < Cin; ++ci) {
         const T* w = wt + (g * Cin + ci) * K2 * Cout;  // [k², Cout]
-        gemm_all_rows<T>(s, off.data(), Cout, w, nullptr, K2, P, cols.data(), P);
+        gemm_all_rows<T>(s, off.data(), Cout, w, nullptr, K2, P, cols.data() + lead, stride);
         T* d = dx + i * dx_img + ci * dx_row;
-        std::memset(d, 0, sizeof(T) * dx_row);
-        for (int64_t t = 0; t < K2; ++t) {
-          T* dt = d + (t / k) * Wp + t % k;
-          const T* ct = cols.data() + t * P;
-          int64_t q = 0;
-          for (; q < Qvec; q += L) Vec<T>::store(dt + q, Vec<T>::load(dt + q) + Vec<T>::load(ct + q));
-          for (; q < Qv; ++q) dt[q] += ct[q];
+        int64_t q = 0;
+        for (; q + V::lanes <= dx_row; q += V::lanes) {
+          typename V::type acc{};
+          for (int64_t t = 0; t < K2; ++t) acc += V::load(cols.data() + from[t] + q);
+          V::store(d + q, acc);
+        }
+        for (; q < dx_row; ++q) {  // (a row that is not a whole number of vectors)
+          T acc = T(0);
+          for (int64_t t = 0; t < K2; ++t) acc += cols[from[t] + q];
+          d[q] = acc;
         }
       }
     }
@@ -267,11 +301,18 @@ void cnn_shifted_corr(const T* a, int64_t a_img, int64_t a_row, const T* src, in
     const T* ag = a + g * n * a_img;
     const T* sg = src + g * n * src_img;
     T* dwg = dw + g * R * Tn;
-    // image by image (its a and src rows stay in L1/L2 across the blocks; the conv1 group of the
-    // CIFAR net, ~660 KB, streamed from L3 once per block when the images were the inner loop),
-    // the blocks' vector accumulators in acc: the same per-lane sums in the same order
+    // Where the model's a and src planes fit in L2 (kCorrImagesBytes), every block runs over all
+    // the images with its accumulators in registers; else image by image (its a and src rows stay
+    // in L1/L2 across the blocks; the conv1 group of the CIFAR net, ~660 KB, streamed from L3
+    // once per block when the images were the inner loop), the blocks' accumulators waiting in
+    // acc between images. Either way the same per-lane sums in the same order: the same bits.
     std::fill(acc.begin(), acc.end(), typename Vec<T>::type{});
-    for (int64_t i = 0; i < n; ++i) corr_image<T>(ag + i * a_img, a_row, sg + i * src_img, off, Tn, R, P, acc.data());
+    if (n * (R * a_row + src_img) * int64_t(sizeof(T)) <= kCorrImagesBytes) {
+      corr_images<T>(ag, a_img, a_row, sg, src_img, off, Tn, R, P, n, acc.data());
+    } else {
+      for (int64_t i = 0; i < n; ++i)
+        corr_images<T>(ag + i * a_img, a_img, a_row, sg + i * src_img, src_img, off, Tn, R, P, 1, acc.data());
+    }
     for (int64_t j = 0; j < R * Tn; ++j) dwg[j] = Vec<T>::sum(acc[j]);
     if (!db) continue;
     for (int64_t r = 0; r < R; ++r) {  // the bias gradient: Σ of the row's vectors, then its lanes

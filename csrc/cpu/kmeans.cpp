@@ -61,13 +61,13 @@ void kmeans_assign(const T* points, const T* centroids, int64_t N, int64_t K, in
   Packed<T> pk;
   pk.pack(centroids, K, d);
   // Each point's label and distance are its own: any split of the points gives the same bits.
-  // Below ~2^14 multiply-adds the call is not worth waking the thread team; above it, blocks
-  // small enough that each thread gets two. At 200 x 60, K = 10 the split is a wash (AMD Zen 5):
-  // one thread 4.7 µs a kernel call; two threads ~4.8 µs in one loop of Python calls, 7.5 µs in a
-  // tight loop of kernel calls (the other thread's wake-up from libgomp's sleep); in the peer
-  // benchmark's loop, level with one thread.
+  // Two threads pay the other thread's wake-up from libgomp's sleep, ~3 µs (AMD Zen 5, a tight
+  // loop of calls), against ~0.03 ns a multiply-add on one thread: splitting gains from ~2·10^5
+  // multiply-adds on. At 200 x 60, K = 10 (1.2·10^5): one thread 4.5 µs a kernel call, two
+  // threads 7.3 µs; in the peer benchmark's loop of ops.kmeans_assign calls, one thread 7.9 µs and
+  // two 7.5–11.3 µs. Hence a threshold of 2^18.
   const int threads = omp_threads();
-  const bool parallel = threads > 1 && N >= 96 && N * K * d > (1 << 14);
+  const bool parallel = threads > 1 && N >= 96 && N * K * d > (int64_t(1) << 18);
   const int64_t block =
       parallel ? std::clamp<int64_t>((N + 2 * threads - 1) / (2 * threads) / 48 * 48, 48, kAssignBlock) : kAssignBlock;
   auto range = [&](int64_t b, std::vector<T>& dots) {
