@@ -197,3 +197,48 @@ def test_conv_pool_relu_refuses_windows_past_its_positions():
         P, wz, h2, w2, pool = bad
         with pytest.raises(ValueError, match="^cnn_conv_pool_relu: "):
             NATIVE.conv_pool_relu(src, 64, off, w, None, 1, 1, 1, P, wz, h2, w2, pool, out, 16, 16, 16, 4, 1, idx)
+
+
+@pytest.mark.parametrize("net", [dict(), dict(p=3 * 11 * 13, C=4, image_shape=(3, 11, 13), channels=(5, 3),
+                                             kernel_size=3, pool=3, padding=2, hidden=(6,))])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_conv_backward_is_the_three_kernels_model_by_model(net, dtype):
+    """``conv_backward`` (the pooling's gradient into one model's scratch, then the weight, bias and
+    input gradients from it, model by model) gives the bits of the three kernels over the whole
+    chunk, and the reference's values, at every conv layer of a chunk of 3 models."""
+    from pflcore import models
+    model = models.CNN(**net)
+    c, n = 3, 5
+    g = _gen(7)
+    theta = (model.initial(c, dtype, seed=1) + 0.2 * torch.randn(c, model.d, generator=g, dtype=dtype)).contiguous()
+    x = torch.randn(c, n, model.p, generator=g, dtype=dtype)
+    chunk = cnn_native.CNNChunk(model, model.split(theta), NATIVE)
+    chunk.logits_t(x, keep=True)
+    k = model.kernel_size
+    for j, geo in enumerate(chunk.geo):
+        a, idx, h, st = chunk._saved[j]
+        da = torch.randn(h.numel(), generator=g, dtype=dtype)  # a pooled gradient in h's layout
+        Wt = chunk.conv[j][2]
+        N, Tn = c * n, geo.cin * k * k
+        with_dx = j > 0
+        outs = {}
+        for name, ops in (("fused", NATIVE), ("ref", REF)):
+            dW, db = torch.empty(c, geo.cout, Tn, dtype=dtype), torch.empty(c, geo.cout, dtype=dtype)
+            dx = torch.full((N * geo.cin * geo.L,), 7.0, dtype=dtype) if with_dx else None
+            ops.conv_backward(da, h, geo.cout, geo.h2, geo.w2, n, *st, idx, geo.lz, a, geo.cin * geo.L, geo.off_f, c,
+                              dW, db, Wt, geo.cin, k, geo.wp, geo.qv, dx, geo.cin * geo.L, geo.L)
+            outs[name] = (dW, db, dx)
+        dz = torch.empty(N * geo.cout * geo.lz, dtype=dtype)
+        NATIVE.pool_relu_backward(da, h, N, geo.cout, geo.h2, geo.w2, n, *st, idx, dz, geo.lz)
+        dW, db = torch.empty(c, geo.cout, Tn, dtype=dtype), torch.empty(c, geo.cout, dtype=dtype)
+        NATIVE.shifted_corr(dz, geo.cout * geo.lz, geo.lz, a, geo.cin * geo.L, geo.off_f, c, n, geo.cout, geo.lz, dW, db)
+        assert torch.equal(outs["fused"][0], dW) and torch.equal(outs["fused"][1], db)
+        if with_dx:
+            dx = torch.full((N * geo.cin * geo.L,), 7.0, dtype=dtype)
+            NATIVE.input_grad(dz, geo.cout * geo.lz, geo.lz, Wt, c, n, geo.cout, geo.cin, k, geo.wp, geo.lz, geo.qv, dx,
+                              geo.cin * geo.L, geo.L)
+            assert torch.equal(outs["fused"][2], dx)
+        for got, want in zip(outs["fused"], outs["ref"]):
+            if want is not None:
+                torch.testing.assert_close(got, want, **TOL[dtype])
+        assert float(outs["ref"][0].abs().max()) > 0.1

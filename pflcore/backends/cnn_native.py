@@ -145,6 +145,13 @@ class NativeOps:
                                      w.data_ptr(), 0 if bias is None else bias.data_ptr(), G, n, R, P, wz, h2, w2, pool,
                                      out.data_ptr(), out_group, out_img, s_c, s_y, s_x, idx.data_ptr())
 
+    def conv_backward(self, da, h, C, h2, w2, n, in_group, in_img, s_c, s_y, s_x, idx, P, src, src_img, off, G, dw,
+                      db, wt, cin, k, wp, qv, dx, dx_img, dx_row):
+        self.core.cnn_conv_backward(da.dtype is torch.float64, da.data_ptr(), h.data_ptr(), C, h2, w2, n, in_group,
+                                    in_img, s_c, s_y, s_x, idx.data_ptr(), P, src.data_ptr(), src_img, off.data_ptr(),
+                                    off.numel(), G, dw.data_ptr(), db.data_ptr(), 0 if wt is None else wt.data_ptr(),
+                                    cin, k, wp, qv, 0 if dx is None else dx.data_ptr(), dx_img, dx_row)
+
     def pool_relu_backward(self, da, h, N, C, h2, w2, n, in_group, in_img, s_c, s_y, s_x, idx, dz, dz_row):
         self.core.cnn_pool_relu_backward(da.dtype is torch.float64, da.data_ptr(), h.data_ptr(), N, C, h2, w2, n,
                                          in_group, in_img, s_c, s_y, s_x, idx.data_ptr(), dz.data_ptr(), dz_row)
@@ -194,6 +201,14 @@ class TorchOps:
         z = src.new_empty(G * n * R * P)
         self.shifted_gemm(src, src_img, off, w, bias, G, n, R, P, z, R * P, P)
         self.pool_relu(z, G * n, R, P, wz, h2, w2, pool, n, out, out_group, out_img, s_c, s_y, s_x, idx)
+
+    def conv_backward(self, da, h, C, h2, w2, n, in_group, in_img, s_c, s_y, s_x, idx, P, src, src_img, off, G, dw,
+                      db, wt, cin, k, wp, qv, dx, dx_img, dx_row):
+        dz = da.new_empty(G * n * C * P)
+        self.pool_relu_backward(da, h, G * n, C, h2, w2, n, in_group, in_img, s_c, s_y, s_x, idx, dz, P)
+        self.shifted_corr(dz, C * P, P, src, src_img, off, G, n, C, P, dw, db)
+        if dx is not None:
+            self.input_grad(dz, C * P, P, wt, G, n, C, cin, k, wp, P, qv, dx, dx_img, dx_row)
 
     def pool_relu_backward(self, da, h, N, C, h2, w2, n, in_group, in_img, s_c, s_y, s_x, idx, dz, dz_row):
         shape, strides = (N // n, n, C, h2, w2), (in_group, in_img, s_c, s_y, s_x)
@@ -289,17 +304,16 @@ class CNNChunk(cnn_im2col.ChunkHead):
         for j in range(nconv - 1, -1, -1):
             g = self.geo[j]
             a, idx, h, st = self._saved[j]
-            dz = x.new_empty(N * g.cout * g.lz)  # [N, Cout, Lz]: zeros but at the maxima
-            ops.pool_relu_backward(da, h, N, g.cout, g.h2, g.w2, n, *st, idx, dz, g.lz)
             dW = x.new_empty(c, g.cout, g.cin * self.model.kernel_size ** 2)
             db = x.new_empty(c, g.cout)
-            ops.shifted_corr(dz, g.cout * g.lz, g.lz, a, g.cin * g.L, g.off_f, c, n, g.cout, g.lz,
-                             dW, db)
+            # the pooling's gradient (dz [N, Cout, Lz]: zeros but at the maxima), the weight and bias
+            # gradients, and (not for the first layer: the rows are data) the input gradient, in the
+            # layout of this layer's input (= the pooled output of j − 1); model by model
+            dnext = x.new_empty(N * g.cin * g.L) if j > 0 else None
+            ops.conv_backward(da, h, g.cout, g.h2, g.w2, n, *st, idx, g.lz, a, g.cin * g.L, g.off_f, c, dW, db,
+                              self.conv[j][2], g.cin, self.model.kernel_size, g.wp, g.qv, dnext, g.cin * g.L, g.L)
             out[names[2 * j]].copy_(dW.view(out[names[2 * j]].shape))
             out[names[2 * j + 1]].copy_(db)
-            if j > 0:  # the input gradient, in the layout of this layer's input (= the pooled output of j − 1)
-                dnext = x.new_empty(N * g.cin * g.L)
-                ops.input_grad(dz, g.cout * g.lz, g.lz, self.conv[j][2], c, n, g.cout, g.cin, self.model.kernel_size,
-                               g.wp, g.lz, g.qv, dnext, g.cin * g.L, g.L)
+            if j > 0:
                 da = dnext[g.pad * g.wp + g.pad:]
         self._saved = []
