@@ -411,17 +411,20 @@ PYBIND11_MODULE(_core, m) {
                                       s_c, s_y, s_x, as<const int32_t>(idx), as<float>(dz), dz_row);
   });
   // One conv layer's backward, model by model: the pooling's gradient into a scratch of one model's
-  // output-gradient planes (n·C planes of P values), then its weight and bias gradients and, where
+  // output-gradient planes (n·C planes of P values), then its weight and bias gradients (model g's
+  // at dw + g·dw_model and db + g·db_model: straight into the rows of a [G, d] gradient) and, where
   // dx is given, its input gradient from that scratch. The same kernels and values as the three
   // calls above over the whole chunk, without writing and reading back a chunk-sized dz (3.8 MB for
   // the MNIST net's first layer at 7 models of 20 rows; a model's scratch stays in L2).
   m.def("cnn_conv_backward", [](bool f64, ptr_t da, ptr_t h, int64_t C, int64_t H2, int64_t W2, int64_t n,
                                 int64_t in_group, int64_t in_img, int64_t s_c, int64_t s_y, int64_t s_x, ptr_t idx,
                                 int64_t P, ptr_t src, int64_t src_img, ptr_t off, int64_t Tn, int64_t G, ptr_t dw,
-                                ptr_t db, ptr_t wt, int64_t Cin, int64_t k, int64_t Wp, int64_t Qv, ptr_t dx,
+                                int64_t dw_model, ptr_t db, int64_t db_model, ptr_t wt, int64_t Cin, int64_t k, int64_t Wp, int64_t Qv, ptr_t dx,
                                 int64_t dx_img, int64_t dx_row) {
-    require(P % 16 == 0 && Tn >= 1 && G >= 0 && n >= 1 && C >= 1 && H2 >= 0 && W2 >= 0 && dw && db,
-            "cnn_conv_backward", "expected P % 16 == 0, Tn >= 1, n >= 1, C >= 1 and non-null dw, db");
+    require(P % 16 == 0 && Tn >= 1 && G >= 0 && n >= 1 && C >= 1 && H2 >= 0 && W2 >= 0 && dw && db &&
+                dw_model >= C * Tn && db_model >= C,
+            "cnn_conv_backward", "expected P % 16 == 0, Tn >= 1, n >= 1, C >= 1, non-null dw, db and model strides "
+            "dw_model >= C·Tn, db_model >= C");
     require(!dx || (wt && k >= 1 && Cin >= 0 && Qv >= 0 && Qv <= P && Qv + (k - 1) * (Wp + 1) <= dx_row),
             "cnn_conv_backward", "expected wt, k >= 1, Qv <= P, Qv + (k - 1)(Wp + 1) <= dx_row with dx");
     py::gil_scoped_release nogil;
@@ -435,7 +438,7 @@ PYBIND11_MODULE(_core, m) {
                                           n, in_group, in_img, s_c, s_y, s_x, as<const int32_t>(idx) + g * n * C * H2 * W2,
                                           dz.data(), P);
         kt.cnn_shifted_corr.of<T>()(dz.data(), C * P, P, as<const T>(src) + g * n * src_img, src_img,
-                                    as<const int64_t>(off), Tn, 1, n, C, P, as<T>(dw) + g * C * Tn, as<T>(db) + g * C);
+                                    as<const int64_t>(off), Tn, 1, n, C, P, as<T>(dw) + g * dw_model, as<T>(db) + g * db_model);
         if (dx)
           kt.cnn_input_grad.of<T>()(dz.data(), C * P, P, as<const T>(wt) + g * Cin * K2 * C, 1, n, C, Cin, k, Wp, P, Qv,
                                     as<T>(dx) + g * n * dx_img, dx_img, dx_row);

@@ -147,10 +147,14 @@ def _chunk(model: CNN, theta: torch.Tensor):
 
 
 def gradient_into(model: CNN, theta: torch.Tensor, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor,
-                  out: torch.Tensor) -> None:
+                  out: torch.Tensor, rows_in_buffer: bool = False) -> None:
     """``out [c, d]`` ← the gradient of Σ_j w_j·ce_j of the models ``theta [c, d]`` on their rows
-    ``x [c, n, p]`` (labels ``y``, weights ``w [c, n]``); no l2."""
-    _chunk(model, theta).gradient(x, y, w, model.split(out))
+    ``x [c, n, p]`` (labels ``y``, weights ``w [c, n]``); no l2. ``rows_in_buffer``: x is a view of
+    ``cnn_native.rows_buffer`` (the native first layer reads it in place without checking what
+    follows it)."""
+    chunk = _chunk(model, theta)
+    chunk.rows_in_buffer = rows_in_buffer
+    chunk.gradient(x, y, w, model.split(out))
 
 
 def logits(model: CNN, theta: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -211,5 +215,5 @@ def local_steps_chunk(model: CNN, th: torch.Tensor, data, batch_idx: Optional[to
     for s in range(steps):
         if full is None and (s == 0 or not torch.equal(batch_idx[s], batch_idx[s - 1])):
             x, y = gather(batch_idx[s])
-        gradient_into(model, th, x, y, w, g)
+        gradient_into(model, th, x, y, w, g, rows_in_buffer=native)
         step_in_place(th, g, a, lr, prox, shrink, lr_scale)

@@ -147,10 +147,13 @@ class NativeOps:
 
     def conv_backward(self, da, h, C, h2, w2, n, in_group, in_img, s_c, s_y, s_x, idx, P, src, src_img, off, G, dw,
                       db, wt, cin, k, wp, qv, dx, dx_img, dx_row):
+        """``dw [G, C, ...]`` and ``db [G, C]``: each model's block contiguous, the models any stride
+        apart (the rows of a gradient buffer)."""
         self.core.cnn_conv_backward(da.dtype is torch.float64, da.data_ptr(), h.data_ptr(), C, h2, w2, n, in_group,
                                     in_img, s_c, s_y, s_x, idx.data_ptr(), P, src.data_ptr(), src_img, off.data_ptr(),
-                                    off.numel(), G, dw.data_ptr(), db.data_ptr(), 0 if wt is None else wt.data_ptr(),
-                                    cin, k, wp, qv, 0 if dx is None else dx.data_ptr(), dx_img, dx_row)
+                                    off.numel(), G, dw.data_ptr(), dw.stride(0), db.data_ptr(), db.stride(0),
+                                    0 if wt is None else wt.data_ptr(), cin, k, wp, qv,
+                                    0 if dx is None else dx.data_ptr(), dx_img, dx_row)
 
     def pool_relu_backward(self, da, h, N, C, h2, w2, n, in_group, in_img, s_c, s_y, s_x, idx, dz, dz_row):
         self.core.cnn_pool_relu_backward(da.dtype is torch.float64, da.data_ptr(), h.data_ptr(), N, C, h2, w2, n,
@@ -237,6 +240,8 @@ class CNNChunk(cnn_im2col.ChunkHead):
     def __init__(self, model: CNN, params: Dict[str, torch.Tensor], ops):
         super().__init__(model, params)
         self.ops = ops
+        # set by a caller whose rows come from rows_buffer (its zeros after them): no check of them
+        self.rows_in_buffer = False
         self.geo = layers(model)
         self.c = params[self.names[0]].shape[0]
         self.conv = []  # (W [c, Cout, Cin·k·k], b [c, Cout], Wt [c, Cin·k·k, Cout]): contiguous copies
@@ -250,7 +255,7 @@ class CNNChunk(cnn_im2col.ChunkHead):
         c, n, p = x.shape
         g = self.geo[0]
         if g.pad == 0:
-            if not _has_slack(x):
+            if not (self.rows_in_buffer and x.is_contiguous()) and not _has_slack(x):
                 x = rows_buffer(c * n, p, x.dtype, x.device).copy_(x.reshape(c * n, p))
             return x.reshape(-1).as_strided((c * n * p + _SLACK,), (1,))
         cin, H, W = self.model.image_shape
@@ -304,16 +309,13 @@ class CNNChunk(cnn_im2col.ChunkHead):
         for j in range(nconv - 1, -1, -1):
             g = self.geo[j]
             a, idx, h, st = self._saved[j]
-            dW = x.new_empty(c, g.cout, g.cin * self.model.kernel_size ** 2)
-            db = x.new_empty(c, g.cout)
+            dW, db = out[names[2 * j]], out[names[2 * j + 1]]  # [c, Cout, Cin, k, k], [c, Cout]: rows of the gradient
             # the pooling's gradient (dz [N, Cout, Lz]: zeros but at the maxima), the weight and bias
             # gradients, and (not for the first layer: the rows are data) the input gradient, in the
             # layout of this layer's input (= the pooled output of j − 1); model by model
             dnext = x.new_empty(N * g.cin * g.L) if j > 0 else None
             ops.conv_backward(da, h, g.cout, g.h2, g.w2, n, *st, idx, g.lz, a, g.cin * g.L, g.off_f, c, dW, db,
                               self.conv[j][2], g.cin, self.model.kernel_size, g.wp, g.qv, dnext, g.cin * g.L, g.L)
-            out[names[2 * j]].copy_(dW.view(out[names[2 * j]].shape))
-            out[names[2 * j + 1]].copy_(db)
             if j > 0:
                 da = dnext[g.pad * g.wp + g.pad:]
         self._saved = []
