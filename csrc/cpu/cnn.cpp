@@ -440,7 +440,7 @@ template <> struct IdxOf<double> { typedef int64_t type; };
 // first maximum, a NaN winning) over whole vectors.
 template <typename T>
 inline void pool2_vec(const T* zc, int64_t Wz, int64_t y, int64_t x0, int64_t W2, T* oc, int64_t s_y, int64_t s_x,
-                      int32_t* ic) {
+                      int32_t* ic, int count) {
   using V = Vec<T>;
   using v_t = typename V::type;
   constexpr int L = V::lanes;
@@ -475,34 +475,42 @@ inline void pool2_vec(const T* zc, int64_t Wz, int64_t y, int64_t x0, int64_t W2
   }
   const v_t zero{};
   const v_t out = (m > zero) | (m != m) ? m : zero;  // relu (a NaN stays)
+  // the first `count` windows stored (a partial vector: the lanes past the row computed what the
+  // reads past it held, and are dropped)
   T* o = oc + y * s_y + x0 * s_x;
   if (s_x == 1) {
-    V::store(o, out);
+    std::memcpy(o, &out, sizeof(T) * count);
   } else {
-    for (int l = 0; l < L; ++l) o[l * s_x] = out[l];
+    for (int l = 0; l < count; ++l) o[l * s_x] = out[l];
   }
   if constexpr (sizeof(I) == sizeof(int32_t)) {
-    std::memcpy(ic + y * W2 + x0, &best, sizeof(best));
+    std::memcpy(ic + y * W2 + x0, &best, sizeof(int32_t) * count);
   } else {
-    for (int l = 0; l < L; ++l) ic[y * W2 + x0 + l] = static_cast<int32_t>(best[l]);
+    for (int l = 0; l < count; ++l) ic[y * W2 + x0 + l] = static_cast<int32_t>(best[l]);
   }
 }
 
 // The C planes of one image (z_row apart) pooled into oi (channels s_c apart), indices into ii.
+// z_slack: 2·lanes readable values follow the last plane, so that a row's last, partial vector
+// of windows may read past the row (the papers' nets' rows of 12, 14, 4 and 5 windows are all
+// shorter than 16 lanes: one window at a time, the selects became branches that mispredicted).
 template <typename T>
 inline void pool_image(const T* z, int64_t C, int64_t z_row, int64_t Wz, int64_t H2, int64_t W2, int64_t pool, T* oi,
-                       int64_t s_c, int64_t s_y, int64_t s_x, int32_t* ii) {
+                       int64_t s_c, int64_t s_y, int64_t s_x, int32_t* ii, bool z_slack = false) {
     for (int64_t c = 0; c < C; ++c) {
       const T* zc = z + c * z_row;
       int32_t* ic = ii + c * H2 * W2;
       if (pool == 2) {
         // whole vectors of windows where their 2·lanes columns lie inside the row (2·W2 <= Wz), the
-        // rest one window at a time
+        // rest one partial vector (z_slack) or one window at a time
         constexpr int L = Vec<T>::lanes;
         const int64_t Wv = W2 - W2 % L;
-        for (int64_t y = 0; y < H2; ++y)
-          for (int64_t x = 0; x < Wv; x += L) pool2_vec<T>(zc, Wz, y, x, W2, oi + c * s_c, s_y, s_x, ic);
-        if (Wv < W2) pool_plane<T, 2>(zc, Wz, H2, W2, 2, oi + c * s_c, s_y, s_x, ic, Wv);
+        const bool partial = z_slack && Wv < W2;
+        for (int64_t y = 0; y < H2; ++y) {
+          for (int64_t x = 0; x < Wv; x += L) pool2_vec<T>(zc, Wz, y, x, W2, oi + c * s_c, s_y, s_x, ic, L);
+          if (partial) pool2_vec<T>(zc, Wz, y, Wv, W2, oi + c * s_c, s_y, s_x, ic, int(W2 - Wv));
+        }
+        if (Wv < W2 && !partial) pool_plane<T, 2>(zc, Wz, H2, W2, 2, oi + c * s_c, s_y, s_x, ic, Wv);
       } else {
         pool_plane<T, 0>(zc, Wz, H2, W2, pool, oi + c * s_c, s_y, s_x, ic, 0);
       }
@@ -526,14 +534,14 @@ void cnn_conv_pool_relu(const T* src, int64_t src_img, const int64_t* off, int64
                         int64_t G, int64_t n, int64_t R, int64_t P, int64_t Wz, int64_t H2, int64_t W2, int64_t pool,
                         T* out, int64_t out_group, int64_t out_img, int64_t s_c, int64_t s_y, int64_t s_x,
                         int32_t* idx) {
-  std::vector<T> z(R * P);
+  std::vector<T> z(R * P + 2 * Vec<T>::lanes);  // (the slack: pool_image's partial vectors)
   for (int64_t g = 0; g < G; ++g) {
     const T* wg = w + g * R * Tn;
     const T* bg = bias ? bias + g * R : nullptr;
     for (int64_t i = g * n; i < (g + 1) * n; ++i) {
       gemm_all_rows<T>(src + i * src_img, off, Tn, wg, bg, R, P, z.data(), P);
       pool_image<T>(z.data(), R, P, Wz, H2, W2, pool, out + g * out_group + (i - g * n) * out_img, s_c, s_y, s_x,
-                    idx + i * R * H2 * W2);
+                    idx + i * R * H2 * W2, true);
     }
   }
 }
