@@ -34,6 +34,10 @@
 
 #include "pflcore/ops_cpu.h"
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace pflcore::cpu {
 PFLCORE_LEVEL_BEGIN
 
@@ -439,7 +443,7 @@ template <> struct IdxOf<double> { typedef int64_t type; };
 // values split into even and odd columns, then the same selects in the same order (so the same
 // first maximum, a NaN winning) over whole vectors.
 template <typename T>
-inline void pool2_vec(const T* zc, int64_t Wz, int64_t y, int64_t x0, int64_t W2, T* oc, int64_t s_y, int64_t s_x,
+__attribute__((always_inline)) inline void pool2_vec(const T* zc, int64_t Wz, int64_t y, int64_t x0, int64_t W2, T* oc, int64_t s_y, int64_t s_x,
                       int32_t* ic, int count) {
   using V = Vec<T>;
   using v_t = typename V::type;
@@ -477,17 +481,25 @@ inline void pool2_vec(const T* zc, int64_t Wz, int64_t y, int64_t x0, int64_t W2
   const v_t out = (m > zero) | (m != m) ? m : zero;  // relu (a NaN stays)
   // the first `count` windows stored (a partial vector: the lanes past the row computed what the
   // reads past it held, and are dropped)
+  // (AVX-512: masked stores; a memcpy of a run-time length was a libc call per row)
   T* o = oc + y * s_y + x0 * s_x;
+  int32_t* io = ic + y * W2 + x0;
+#if defined(__AVX512F__)
+  if constexpr (sizeof(T) == 4) {
+    if (s_x == 1) {
+      const __mmask16 k = static_cast<__mmask16>((1u << count) - 1u);
+      _mm512_mask_storeu_ps(o, k, reinterpret_cast<__m512>(out));
+      _mm512_mask_storeu_epi32(io, k, reinterpret_cast<__m512i>(best));
+      return;
+    }
+  }
+#endif
   if (s_x == 1) {
-    std::memcpy(o, &out, sizeof(T) * count);
+    for (int l = 0; l < count; ++l) o[l] = out[l];
   } else {
     for (int l = 0; l < count; ++l) o[l * s_x] = out[l];
   }
-  if constexpr (sizeof(I) == sizeof(int32_t)) {
-    std::memcpy(ic + y * W2 + x0, &best, sizeof(int32_t) * count);
-  } else {
-    for (int l = 0; l < count; ++l) ic[y * W2 + x0 + l] = static_cast<int32_t>(best[l]);
-  }
+  for (int l = 0; l < count; ++l) io[l] = static_cast<int32_t>(best[l]);
 }
 
 // The C planes of one image (z_row apart) pooled into oi (channels s_c apart), indices into ii.
