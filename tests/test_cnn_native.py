@@ -12,7 +12,9 @@ from pflcore.backends import cnn_native
 from conftest import DTYPES, TOL
 
 NATIVE = cnn_native.native_ops()
-pytestmark = pytest.mark.skipif(NATIVE is None, reason="the native module has no CNN kernels")
+# every CPU level's copy of the kernels (their register blocks and vector widths differ by level)
+pytestmark = [pytest.mark.skipif(NATIVE is None, reason="the native module has no CNN kernels"),
+              pytest.mark.usefixtures("cpu_level")]
 REF = cnn_native.TorchOps()
 
 
