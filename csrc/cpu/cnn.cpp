@@ -53,8 +53,10 @@ constexpr int kVecBytes = 64;
 constexpr int kVecBytes = 32;
 #endif
 // Accumulators of a register block (rows × vectors of shifted_gemm, rows × taps of
-// shifted_corr): 12, of AVX2's 16 registers. With AVX-512's 32, blocks of 24 measured no faster
-// (MNIST and CIFAR-shaped steps at 1 thread, AMD Zen 5).
+// shifted_corr): 12, of AVX2's 16 registers. With AVX-512's 32, forward blocks of 24 measured no
+// faster where the rows are a multiple of 4 (MNIST and CIFAR-shaped steps at 1 thread, AMD Zen 5);
+// the weight gradient takes 24 (kCorrAccumulators), and rows that 6 or 5 divide but 4 does not
+// take 6 × 4 or 5 × 4 blocks in both (gemm_all_rows, corr_images).
 constexpr int kAccumulators = 12;
 // The weight gradient's working set (a model's output-gradient and input planes) up to which its
 // blocks run over every image at once (cnn_shifted_corr): within L2 on the CPUs this targets (AMD
@@ -142,9 +144,10 @@ inline void gemm_rows_from(const T* src, const int64_t* off, int64_t Tn, const T
 // each block (FMA latency × ports on AVX2 machines: fewer leave the FMA units idle): 4 rows × 3
 // vectors, 3 × 4 where R is a multiple of 3 but not of 4, and a remainder of 1 or 2 rows in
 // blocks of 12 or 6 vectors (a 2-row remainder in 2 × 3 blocks ran at ~60% of the 4 × 3 rate).
-template <typename T, int A = kAccumulators>
+template <typename T>
 inline void gemm_all_rows(const T* src, const int64_t* off, int64_t Tn, const T* w, const T* bias, int64_t R,
                           int64_t P, T* out, int64_t out_row) {
+  constexpr int A = kAccumulators;
   int64_t r = 0;
 #if defined(__AVX512F__)
   // rows not a multiple of 4 that 6 or 5 divide: 6 × 4 or 5 × 4 blocks of AVX-512's registers
@@ -231,7 +234,8 @@ inline void corr_taps_from(const T* a, int64_t a_img, int64_t a_row, const T* sr
   }
 }
 
-// Images [0, n)'s contribution to every row and tap; blocks of 12 accumulators as in gemm_all_rows.
+// Images [0, n)'s contribution to every row and tap; blocks of kCorrAccumulators accumulators (24 on
+// AVX-512, else 12), shaped as in gemm_all_rows.
 template <typename T>
 inline void corr_images(const T* a, int64_t a_img, int64_t a_row, const T* src, int64_t src_img, const int64_t* off,
                         int64_t Tn, int64_t R, int64_t P, int64_t n, typename Vec<T>::type* acc) {
