@@ -19,11 +19,13 @@
 // RB output rows × VB vectors of positions (4 × 3; 3 × 4 where the rows are a multiple of 3; a
 // remainder of 2 or 1 rows as 2 × 6 or 1 × 12), shifted_corr RB gradient rows × TB taps (the
 // same shapes), the shorter side's operands live; vector and tap remainders take smaller
-// instances of the same templates. shifted_corr runs image by image (the image's rows stay in
-// cache across the blocks; the accumulators wait in memory between images: the same sums in the
-// same order), and cnn_conv_pool_relu pools each image's conv planes while they are in cache.
-// Vectors are GCC/Clang vector types of 32 bytes (one AVX2 register; two SSE registers on the
-// baseline level).
+// instances of the same templates. On AVX-512 the weight gradient keeps 24 (4 × 6), and rows that
+// 6 or 5 divide but 4 does not take 6 × 4 or 5 × 4 blocks in both. shifted_corr runs every block
+// over all of a model's images with its accumulators in registers where the model's planes fit
+// in L2, else image by image (the accumulators wait in memory between images): the same sums in
+// the same order either way. cnn_conv_pool_relu pools each image's conv planes while they are in
+// cache. Vectors are GCC/Clang vector types of 64 bytes on the avx512 level, else 32 (one AVX2
+// register; two SSE registers on the baseline level).
 //
 // Models (groups) are independent, sums run in a fixed order, and nothing is threaded here: the
 // caller runs one chunk of models per thread, so the bits do not depend on the thread count.

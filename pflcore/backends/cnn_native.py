@@ -23,14 +23,16 @@ Layout (N = c·n images, image i = g·n + r is row r of model g):
   flattened features
   ``[c, C·H·W, n]`` (the module's flatten order, rows last) of ``cnn_im2col.ChunkHead``'s dense
   layers.
-* Backward: the pooled gradient goes into ``dz [N, Cout, Lz]`` (zeros elsewhere, the garbage
-  columns included); the weight gradient is ``shifted_corr(dz, input)``; the input gradient
-  (not for the first layer: the rows are data) is ``input_grad``: per input channel, the k²
-  tap planes ``Σ_co W[co, ci, tap]·dz[co]`` (a shifted GEMM over the Cout planes) added back
-  onto the pixels each tap read (col2im), in the input's ``[N, Cin, L]`` layout, where the
-  previous layer's pooling gradient reads it. (The gather form, a full correlation of a
-  zero-padded dz, multiplied zeros for every tap reaching past dz's borders: 2x the work on the
-  CIFAR net's 10x10 second layer.)
+* Backward (``conv_backward``, one layer, model by model: a model's dz stays in L2): the pooled
+  gradient goes into ``dz [n, Cout, Lz]`` (zeros elsewhere, the garbage columns included); the
+  weight gradient is ``shifted_corr(dz, input)``, written straight into the rows of the
+  gradient; the input gradient (not for the first layer: the rows are data) is ``input_grad``:
+  per input channel, the k² tap planes ``Σ_co W[co, ci, tap]·dz[co]`` (a shifted GEMM over the
+  Cout planes) summed back onto the pixels each tap read (col2im, as a gather over the tap
+  planes), in the input's ``[N, Cin, L]`` layout, where the previous layer's pooling gradient
+  reads it. (The gather form of the whole product, a full correlation of a zero-padded dz,
+  multiplied zeros for every tap reaching past dz's borders: 2x the work on the CIFAR net's
+  10x10 second layer.)
 
 ``TorchOps`` is the same operations in torch (the reference the tests check the kernels
 against; also a chunk that runs anywhere, slowly). Determinism: a chunk runs on one thread and the
