@@ -34,6 +34,7 @@
 #include <limits>
 #include <vector>
 
+#include "lane_sums.h"
 #include "pflcore/ops_cpu.h"
 
 #if defined(__AVX512F__)
@@ -276,52 +277,15 @@ inline void corr_images(const T* a, int64_t a_img, int64_t a_row, const T* src, 
 
 }  // namespace
 
-// out[j] = the sum of the lanes of acc[j], j < M. On AVX-512, blocks of one vector's lanes' worth
-// of accumulators are reduced together by halving (pairs of vectors' halves added, then quarters…:
-// ~3 instructions a sum, where a lane-by-lane sum takes 15 dependent adds; the weight gradient
-// sums 5,000 accumulators a model on the MNIST net's second layer); elsewhere, and for the rest,
-// lane by lane. Either way a fixed order.
+// out[j] = the sum of the lanes of acc[j], j < M: on AVX-512 a vector's lanes' worth of them at a
+// time (lane_sums.h, ~3 instructions a sum where a lane-by-lane sum takes 15 dependent adds; the
+// weight gradient sums 5,000 accumulators a model on the MNIST net's second layer), the rest and
+// every other level lane by lane. Either way a fixed order.
 template <typename T>
 inline void lane_sums(const typename Vec<T>::type* acc, int64_t M, T* out) {
   int64_t j = 0;
 #if defined(__AVX512F__)
-  using v_t = typename Vec<T>::type;
-  if constexpr (sizeof(T) == 4) {
-    for (; j + 16 <= M; j += 16) {
-      const v_t* a = acc + j;
-      v_t p[8], r[4], s2[2];
-      for (int q = 0; q < 8; ++q)
-        p[q] = __builtin_shufflevector(a[2 * q], a[2 * q + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-               __builtin_shufflevector(a[2 * q], a[2 * q + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30,
-                                       31);
-      for (int q = 0; q < 4; ++q)
-        r[q] = __builtin_shufflevector(p[2 * q], p[2 * q + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-               __builtin_shufflevector(p[2 * q], p[2 * q + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,
-                                       31);
-      for (int q = 0; q < 2; ++q)
-        s2[q] = __builtin_shufflevector(r[2 * q], r[2 * q + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28,
-                                        29) +
-                __builtin_shufflevector(r[2 * q], r[2 * q + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30,
-                                        31);
-      const v_t t = __builtin_shufflevector(s2[0], s2[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-                    __builtin_shufflevector(s2[0], s2[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-      std::memcpy(out + j, &t, sizeof(t));
-    }
-  } else {
-    for (; j + 8 <= M; j += 8) {
-      const v_t* a = acc + j;
-      v_t p[4], r[2];
-      for (int q = 0; q < 4; ++q)
-        p[q] = __builtin_shufflevector(a[2 * q], a[2 * q + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
-               __builtin_shufflevector(a[2 * q], a[2 * q + 1], 4, 5, 6, 7, 12, 13, 14, 15);
-      for (int q = 0; q < 2; ++q)
-        r[q] = __builtin_shufflevector(p[2 * q], p[2 * q + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
-               __builtin_shufflevector(p[2 * q], p[2 * q + 1], 2, 3, 6, 7, 10, 11, 14, 15);
-      const v_t t = __builtin_shufflevector(r[0], r[1], 0, 2, 4, 6, 8, 10, 12, 14) +
-                    __builtin_shufflevector(r[0], r[1], 1, 3, 5, 7, 9, 11, 13, 15);
-      std::memcpy(out + j, &t, sizeof(t));
-    }
-  }
+  for (; j + Vec<T>::lanes <= M; j += Vec<T>::lanes) lane_sums_512<T>(acc + j, out + j);
 #endif
   for (; j < M; ++j) out[j] = Vec<T>::sum(acc[j]);
 }

@@ -24,6 +24,7 @@
 
 #include "pflcore/aligned.h"
 #include "pflcore/checks.h"
+#include "lane_sums.h"
 
 #if defined(__SSE2__)
 #include <immintrin.h>
@@ -491,59 +492,14 @@ template <typename T, int KB>
 inline void lane_sums(const Vec<T>* acc, T* out) {
   int k = 0;
 #if defined(__AVX512F__)
-  // 512-bit vectors: blocks of 16 floats (8 doubles) of accumulators reduced together, first
-  // by 128-bit quarters across pairs of accumulators, then lane by lane inside the quarters
-  // (~3 instructions a sum, where one hsum takes ~10); a short block is padded with zeros
-  // (out has room for KB rounded up to a whole vector). Vector-extension shuffles: GCC 12's
-  // shuffle intrinsics draw a false -Wmaybe-uninitialized from its own header.
-  using V = Vec<T>;
-  if constexpr (sizeof(T) == 4) {
-    for (; k < KB; k += 16) {
-      V a[16];
-      for (int q = 0; q < 16; ++q) a[q] = k + q < KB ? acc[k + q] : V{};
-      V pair[8], quad[4];
-      for (int q = 0; q < 8; ++q) {  // [a.q0 + a.q2, a.q1 + a.q3, b.q0 + b.q2, b.q1 + b.q3]
-        const V x = a[2 * q], y = a[2 * q + 1];
-        pair[q] = __builtin_shufflevector(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-                  __builtin_shufflevector(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-      }
-      for (int q = 0; q < 4; ++q) {  // quarter i: the 4 partial sums of accumulator 4q + i
-        const V x = pair[2 * q], y = pair[2 * q + 1];
-        quad[q] = __builtin_shufflevector(x, y, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-                  __builtin_shufflevector(x, y, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-      }
-      // inside each quarter: [q0[0] + q0[2], q1[0] + q1[2], q0[1] + q0[3], q1[1] + q1[3]]
-      const V s01 = __builtin_shufflevector(quad[0], quad[1], 0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29) +
-                    __builtin_shufflevector(quad[0], quad[1], 2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31);
-      const V s23 = __builtin_shufflevector(quad[2], quad[3], 0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29) +
-                    __builtin_shufflevector(quad[2], quad[3], 2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31);
-      // lane 4i + j: the sum of accumulator 4j + i
-      const V r = __builtin_shufflevector(s01, s23, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
-                  __builtin_shufflevector(s01, s23, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
-      const V sums = __builtin_shufflevector(r, r, 0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-      std::memcpy(out + k, &sums, sizeof sums);
-    }
-  } else {
-    for (; k < KB; k += 8) {
-      V a[8];
-      for (int q = 0; q < 8; ++q) a[q] = k + q < KB ? acc[k + q] : V{};
-      V pair[4], quad[2];
-      for (int q = 0; q < 4; ++q) {  // [a.q0 + a.q2, a.q1 + a.q3, b.q0 + b.q2, b.q1 + b.q3]
-        const V x = a[2 * q], y = a[2 * q + 1];
-        pair[q] = __builtin_shufflevector(x, y, 0, 1, 2, 3, 8, 9, 10, 11) +
-                  __builtin_shufflevector(x, y, 4, 5, 6, 7, 12, 13, 14, 15);
-      }
-      for (int q = 0; q < 2; ++q) {  // quarter i: the 2 partial sums of accumulator 4q + i
-        const V x = pair[2 * q], y = pair[2 * q + 1];
-        quad[q] = __builtin_shufflevector(x, y, 0, 1, 4, 5, 8, 9, 12, 13) +
-                  __builtin_shufflevector(x, y, 2, 3, 6, 7, 10, 11, 14, 15);
-      }
-      // lane 2i + j: the sum of accumulator 4j + i
-      const V r = __builtin_shufflevector(quad[0], quad[1], 0, 8, 2, 10, 4, 12, 6, 14) +
-                  __builtin_shufflevector(quad[0], quad[1], 1, 9, 3, 11, 5, 13, 7, 15);
-      const V sums = __builtin_shufflevector(r, r, 0, 2, 4, 6, 1, 3, 5, 7);
-      std::memcpy(out + k, &sums, sizeof sums);
-    }
+  // 512-bit vectors: blocks of 16 floats (8 doubles) of accumulators reduced together
+  // (lane_sums.h); a short block is padded with zeros (out has room for KB rounded up to a whole
+  // vector)
+  constexpr int L = 64 / int(sizeof(T));
+  for (; k < KB; k += L) {
+    Vec<T> a[L];
+    for (int q = 0; q < L; ++q) a[q] = k + q < KB ? acc[k + q] : Vec<T>{};
+    lane_sums_512<T>(a, out + k);
   }
 #elif defined(__AVX__)
   if constexpr (sizeof(T) == 4) {
