@@ -17,7 +17,6 @@ synchronized after each (a caller's wait):
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -105,9 +104,7 @@ def main(argv=None) -> int:
         _values.average_result_fault(th, w, None, out, fl)
     record("average_screen_and_check_only_s", screen_only, calls=100)
     res["average_bytes"] = m * d * 4 + m * 4 + d * 4
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
-    print(f"wrote {args.out}")
+    print(f"wrote {harness.write_json(args.out, res, machine=False)}")
     return 0
 
 
