@@ -73,7 +73,8 @@ using CnnPoolBackFn = void (*)(const T*, const T*, int64_t, int64_t, int64_t, in
 
 template <typename T>
 using WaterFillGramFn = void (*)(const T*, const double*, const double*, const int64_t*, int64_t, int64_t,
-                                 const double*, double*, int64_t, const int64_t*, const int64_t*, double*, Faults&);
+                                 const double*, double*, int64_t, const int64_t*, const int64_t*, bool, double*,
+                                 Faults&);
 
 struct KernelTable {
   const char* level;  // "baseline", "avx2", "avx512" or "native"

@@ -21,14 +21,63 @@
 
 #include "pflcore/ops_cpu.h"
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace pflcore::cpu {
 PFLCORE_LEVEL_BEGIN
 
 namespace {
 
-// The level τ of one row of finite costs c [k] (Michelot's iteration, above); Ac and Aw: scratch of
-// k entries each.
-inline double row_level(const double* c, const double* w, const double* inv_w, int64_t k, double* Ac, double* Aw) {
+// Keeps the entries of (c, w) [n] with c < tau, in order, at the front of (Ac, Aw), and their
+// indices (idx[q], or q where idx is null) in Ai when kIdx; returns how many. Also in place (c, w,
+// idx the destinations): an entry is written at or before where it was read. Every entry is
+// written and the count advances where it is kept (no branch on the data: near half of the entries
+// stay in the first passes, so a branch mispredicts often; with branches the kernel ran ~9 ns an
+// entry at m = 2,000). 512-bit vectors compress 8 entries at a time (compress in registers, then
+// a masked store: compress straight to memory is slow on Zen 4).
+template <bool kIdx>
+inline int64_t keep_below(const double* c, const double* w, const int64_t* idx, int64_t n, double tau, double* Ac,
+                          double* Aw, int64_t* Ai) {
+  int64_t kept = 0, q = 0;
+#if defined(__AVX512F__)
+  const __m512d level = _mm512_set1_pd(tau);
+  const __m512i iota = _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0);
+  for (; q + 8 <= n; q += 8) {
+    const __m512d cv = _mm512_loadu_pd(c + q), wv = _mm512_loadu_pd(w + q);
+    const __mmask8 keep = _mm512_cmp_pd_mask(cv, level, _CMP_LT_OQ);
+    const int count = __builtin_popcount(unsigned(keep));
+    const __mmask8 front = __mmask8((1u << count) - 1u);
+    if constexpr (kIdx) {
+      const __m512i iv = idx ? _mm512_loadu_si512(idx + q) : _mm512_add_epi64(iota, _mm512_set1_epi64(q));
+      _mm512_mask_storeu_epi64(Ai + kept, front, _mm512_maskz_compress_epi64(keep, iv));
+    }
+    _mm512_mask_storeu_pd(Ac + kept, front, _mm512_maskz_compress_pd(keep, cv));
+    _mm512_mask_storeu_pd(Aw + kept, front, _mm512_maskz_compress_pd(keep, wv));
+    kept += count;
+  }
+#endif
+  for (; q < n; ++q) {
+    const double cq = c[q], wq = w[q];
+    int64_t iq = 0;
+    if constexpr (kIdx) iq = idx ? idx[q] : q;
+    Ac[kept] = cq;
+    Aw[kept] = wq;
+    if constexpr (kIdx) Ai[kept] = iq;
+    kept += cq < tau;
+  }
+  return kept;
+}
+
+// The level τ of one row of finite costs c [k] (Michelot's iteration, above); Ac, Aw and Ai:
+// scratch of k entries each (Ai only with kIdx). With kIdx, *active is the number of columns with
+// c_j < τ, held at the front of (Ac, Aw, Ai) with their indices, or −1 where the iteration ended
+// otherwise (rounding: a level that rose, or a set emptied by the last pass) and the row's weights
+// must be taken from every column.
+template <bool kIdx>
+inline double row_level(const double* c, const double* w, const double* inv_w, int64_t k, double* Ac, double* Aw,
+                        int64_t* Ai, int64_t* active) {
   // Two upper bounds of τ, the better one first: the best single column's level, and g(every
   // column) (every column holds the active set). Where 1/w is large against the costs (PERM's
   // 2λ_α/n_j against its gradient distances) the second keeps about half as many columns.
@@ -40,16 +89,10 @@ inline double row_level(const double* c, const double* w, const double* inv_w, i
     scw += c[j] * w[j];
   }
   tau = std::min(tau, (1.0 + scw) / sw);
-  // Branch-free compaction (each entry is written, the count advances where it is kept): near
-  // half of the entries stay in the first passes, so a branch there mispredicts often (with
-  // branches the kernel ran ~9 ns an entry at m = 2,000). The level's sums run in four partial
-  // sums (q mod 4) so that the additions do not wait on each other.
-  int64_t n = 0;
-  for (int64_t j = 0; j < k; ++j) {
-    Ac[n] = c[j];
-    Aw[n] = w[j];
-    n += c[j] < tau;
-  }
+  int64_t n = keep_below<kIdx>(c, w, nullptr, k, tau, Ac, Aw, Ai);
+  bool exact_set = true;
+  // The level's sums run in four partial sums (q mod 4) so that the additions do not wait on
+  // each other.
   for (;;) {
     double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0, t0 = 0.0, t1 = 0.0, t2 = 0.0, t3 = 0.0;
     int64_t q = 0;
@@ -59,20 +102,19 @@ inline double row_level(const double* c, const double* w, const double* inv_w, i
     }
     for (; q < n; ++q) s0 += Aw[q], t0 += Ac[q] * Aw[q];
     const double next = (1.0 + ((t0 + t1) + (t2 + t3))) / ((s0 + s1) + (s2 + s3));
-    int64_t kept = 0;
-    for (q = 0; q < n; ++q) {
-      const double cq = Ac[q];
-      Ac[kept] = cq;
-      Aw[kept] = Aw[q];
-      kept += cq < next;
-    }
+    const int64_t kept = keep_below<kIdx>(Ac, Aw, Ai, n, next, Ac, Aw, Ai);
     // no entry below the new level: only rounding does that (a set of one column, whose level
     // c_j + 1/w_j rounds to c_j): keep the last level, which has entries below it
-    if (kept == 0) break;
+    if (kept == 0) {
+      exact_set = false;  // (the pass overwrote the set)
+      break;
+    }
+    if (next > tau) exact_set = false;  // a column dropped at a higher level could be below this one
     tau = next;
     if (kept == n) break;
     n = kept;
   }
+  if constexpr (kIdx) *active = exact_set ? n : -1;
   return tau;
 }
 
@@ -115,7 +157,7 @@ void water_fill(const double* costs, int64_t r, int64_t k, const double* w, doub
         faults.add(i, FaultKind::NonFinite, "costs: row %lld holds a NaN or infinite value", ll(i));
         continue;
       }
-      const double tau = row_level(c, w, inv_w.data(), k, Ac.data(), Aw.data());
+      const double tau = row_level<false>(c, w, inv_w.data(), k, Ac.data(), Aw.data(), nullptr, nullptr);
       // w·max(0, τ − c): 0 exactly where c ≥ τ, without a branch on the data
 #pragma omp simd
       for (int64_t j = 0; j < k; ++j) out[j] = w[j] * std::max(0.0, tau - c[j]);
@@ -126,39 +168,51 @@ void water_fill(const double* costs, int64_t r, int64_t k, const double* w, doub
 template <typename T>
 void water_fill_gram(const T* gram, const double* sq_r, const double* sq_c, const int64_t* own, int64_t r, int64_t k,
                      const double* w, double* out, int64_t out_stride, const int64_t* out_rows, const int64_t* cols,
-                     double* levels, Faults& faults) {
+                     bool zeroed, double* levels, Faults& faults) {
   std::vector<double> inv_w;
   if (!inverse_weights(w, k, inv_w, faults)) return;
 #pragma omp parallel if (r * k > (1 << 15))
   {
     std::vector<double> c(static_cast<size_t>(k)), Ac(static_cast<size_t>(k)), Aw(static_cast<size_t>(k));
+    std::vector<int64_t> Ai(static_cast<size_t>(k));
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < r; ++i) {
       const T* g = gram + i * k;
       const double si = sq_r[i];
       double* ci = c.data();
       // the costs as perm.py's float64 path forms them: (‖y_i‖² + ‖y_j‖²) − 2·y_i·y_j, at least 0
-#pragma omp simd
-      for (int64_t j = 0; j < k; ++j) ci[j] = (si + sq_c[j]) - 2.0 * double(g[j]);
-      if (!(finite_probe(ci, k) == 0.0)) {  // before the clamp, which would turn −inf (and NaN) into 0
+      // in one vector pass with the finiteness probe (taken before the clamp, which would turn −inf
+      // and NaN into 0; the clamp as a select: std::max's branch kept this loop scalar)
+      double probe = 0.0;
+#pragma omp simd reduction(+ : probe)
+      for (int64_t j = 0; j < k; ++j) {
+        const double v = (si + sq_c[j]) - 2.0 * double(g[j]);
+        probe += v * 0.0;
+        ci[j] = v > 0.0 ? v : 0.0;
+      }
+      if (!(probe == 0.0)) {
         faults.add(i, FaultKind::NonFinite, "gram: row %lld gives a NaN or infinite cost", ll(i));
         continue;
       }
-#pragma omp simd
-      for (int64_t j = 0; j < k; ++j) ci[j] = std::max(0.0, ci[j]);
       ci[own[i]] = 0.0;  // the row's own client: exactly 0
-      const double tau = row_level(ci, w, inv_w.data(), k, Ac.data(), Aw.data());
+      int64_t active = -1;
+      const double tau = row_level<true>(ci, w, inv_w.data(), k, Ac.data(), Aw.data(), Ai.data(), &active);
       double* o = out + out_rows[i] * out_stride;
-      for (int64_t j = 0; j < k; ++j) o[cols[j]] = w[j] * std::max(0.0, tau - ci[j]);  // (no branch on the data)
+      if (zeroed && active >= 0) {  // the positive weights only, w_j·(τ − c_j) as below (the same bits)
+        for (int64_t q = 0; q < active; ++q) o[cols[Ai[size_t(q)]]] = Aw[size_t(q)] * (tau - Ac[size_t(q)]);
+      } else {
+        for (int64_t j = 0; j < k; ++j) o[cols[j]] = w[j] * std::max(0.0, tau - ci[j]);  // (no branch on the data)
+      }
       levels[i] = tau;
     }
   }
 }
 
 template void water_fill_gram<float>(const float*, const double*, const double*, const int64_t*, int64_t, int64_t,
-                                     const double*, double*, int64_t, const int64_t*, const int64_t*, double*, Faults&);
+                                     const double*, double*, int64_t, const int64_t*, const int64_t*, bool, double*,
+                                     Faults&);
 template void water_fill_gram<double>(const double*, const double*, const double*, const int64_t*, int64_t, int64_t,
-                                      const double*, double*, int64_t, const int64_t*, const int64_t*, double*,
+                                      const double*, double*, int64_t, const int64_t*, const int64_t*, bool, double*,
                                       Faults&);
 
 PFLCORE_LEVEL_END

@@ -218,15 +218,17 @@ def _screened_weights(G: torch.Tensor, sizes: torch.Tensor, lam_alpha: float, ro
     k = int(labels.max()) + 1
     count = torch.bincount(labels, minlength=k).to(torch.float64)
     mu = torch.zeros(k, d, dtype=torch.float64, device=Gc.device).index_add_(0, labels, Gc) / count[:, None]
-    # ‖g_j − μ_{a(j)}‖, direct sums, in blocks of rows (no [m, d] temporaries)
-    own = torch.cat([torch.linalg.vector_norm(g - mu[lab], dim=1) for g, lab in zip(Gc.split(256), labels.split(256))])
+    # ‖g_j − μ_b‖² of every client to every mean, by the Gram formula; its rounding (≤ ~1e-13
+    # relative to the norms) is covered by the slack, which only ever keeps more clusters
+    mu_sq = (mu * mu).sum(dim=1)
+    to_all = (sq[:, None] + mu_sq[None, :]).add_(torch.mm(mu, Gc.T).T, alpha=-2.0).clamp_(min=0.0)  # [m, k]
+    slack_all = 1e-9 * (sq[:, None] + mu_sq[None, :]) + 1e-300
+    # ‖g_j − μ_{a(j)}‖ rounded up (the clusters' radii must not be underestimated): from the same
+    # products (the direct sums they replace took ~1 ms of a ~20 ms solve at m = 2,000)
+    at = torch.arange(m, device=Gc.device)
+    own = (to_all[at, labels] + slack_all[at, labels]).sqrt_()
     radius = torch.zeros(k, dtype=torch.float64, device=Gc.device).scatter_reduce_(0, labels, own, "amax")
-    # ‖g_i − μ_b‖ for the rows asked, by the Gram formula; its rounding (≤ ~1e-13 relative to the
-    # norms) is covered by the slack below, which only ever keeps more clusters
-    r_sq, mu_sq = sq[first:stop], (mu * mu).sum(dim=1)
-    to_mu = (r_sq[:, None] + mu_sq[None, :]).add_(torch.mm(mu, Gc[first:stop].T).T, alpha=-2.0)
-    to_mu.clamp_(min=0.0)
-    slack = 1e-9 * (r_sq[:, None] + mu_sq[None, :]) + 1e-300
+    to_mu, slack = to_all[first:stop], slack_all[first:stop]  # the rows asked
     lower = (to_mu.sqrt() - radius[None, :]).clamp_(min=0.0) ** 2 - slack  # [r, k]
     inv_w = 2.0 * lam / sizes.to(device=Gc.device, dtype=torch.float64)
     # upper bounds of τ_i: the level of client i alone (c_ii = 0), or of the client of its cluster
@@ -239,6 +241,7 @@ def _screened_weights(G: torch.Tensor, sizes: torch.Tensor, lam_alpha: float, ro
     need[torch.arange(stop - first, device=Gc.device), labels[first:stop]] = True
     out = torch.zeros(stop - first, m, dtype=torch.float64, device=Gc.device)
     patterns, group = _row_patterns(need)
+    patterns, group = _merged_patterns(patterns, group, count)
     w = sizes.to(device=Gc.device, dtype=torch.float64) / (2.0 * lam)
     adapter = backend.select("water_fill_gram", None, w)
     tasks = [(torch.nonzero(group == g_idx).flatten(),  # the group's rows (ascending)
@@ -255,12 +258,16 @@ def _screened_weights(G: torch.Tensor, sizes: torch.Tensor, lam_alpha: float, ro
         # the costs and their water-filling in one kernel call, α written into the rows of `out`
         if low and gi.numel() >= 64:  # (a few rows: the columns' shift would cost more than it saves)
             gram, sq_r, sq_c, spread = _shifted_gram32(G32, gi, some)
-            levels = adapter.water_fill_gram(gram, sq_r, sq_c, own, w_cols, out, r_idx, cols)
+            levels = adapter.water_fill_gram(gram, sq_r, sq_c, own, w_cols, out, r_idx, cols, zeroed=True)
             if products is not None or spread <= 8.0 * float(levels.min()):
                 return
-            # the float32 rounding could be large against the levels: the group again in float64
+            # the float32 rounding could be large against the levels: the group again in float64,
+            # every entry written (the float32 pass left its positive weights in these rows)
+            again = True
+        else:
+            again = False
         adapter.water_fill_gram(_gram(Gc, gi, some), sq[gi], sq if every else sq[cols], own, w_cols, out, r_idx,
-                                cols)
+                                cols, zeroed=not again)
 
     workers = max(1, min(int(workers), len(tasks)))
     if workers == 1:
@@ -308,6 +315,48 @@ def _row_patterns(need: torch.Tensor):
     uniq, group = torch.unique(keys, return_inverse=True)
     patterns = ((uniq[:, None] // bits[None, :]) % 2).to(torch.bool)
     return patterns, group
+
+
+MERGE_GROWTH = 1.25  # see _merged_patterns
+
+
+def _merged_patterns(patterns: torch.Tensor, group: torch.Tensor, count: torch.Tensor):
+    """The row groups of ``_row_patterns`` merged: a group joins one whose clusters include its
+    own and whose columns are at most ``MERGE_GROWTH`` times as many.
+
+    Any superset of the columns a row needs gives the same α (the extra columns are ones the
+    screen proved to hold zero weight for it), so merging only changes how the work is cut: one
+    larger product in place of several. Where a context's clients split into several patterns
+    (some of its rows need a neighbouring cluster, others not), the small groups had taken
+    float64 products of a few rows each (m = 2,000, bench/server_steps.py: 7 groups for one
+    context of 500, six of them under 64 rows); merged, the context is one group whose rows are
+    its columns (a symmetric product). Patterns are taken widest first: each joins the first kept
+    pattern (in that order) that holds it within the growth, else it is kept. Deterministic:
+    the order is by column count, then by pattern index.
+
+    Args: patterns bool ``[P, k]``, group int64 ``[r]`` (a row's pattern), count ``[k]`` the
+    clusters' sizes. Returns the kept patterns and the rows' new group indices."""
+    P = patterns.shape[0]
+    if P <= 1:
+        return patterns, group
+    width = (patterns.to(count.dtype) * count[None, :]).sum(dim=1).tolist()  # columns of each pattern
+    pats = patterns.tolist()
+    order = sorted(range(P), key=lambda q: (-width[q], q))
+    kept, target = [], [0] * P
+    for q in order:
+        for h in kept:
+            if width[h] <= MERGE_GROWTH * width[q] and all(b or not a for a, b in zip(pats[q], pats[h])):
+                target[q] = h
+                break
+        else:
+            target[q] = q
+            kept.append(q)
+    if len(kept) == P:
+        return patterns, group
+    kept.sort()
+    new_index = {h: i for i, h in enumerate(kept)}
+    remap = torch.tensor([new_index[target[q]] for q in range(P)], dtype=group.dtype, device=group.device)
+    return patterns[kept], remap[group]
 
 
 def _same_clients(rows: torch.Tensor, cols: Optional[torch.Tensor], m: int) -> bool:
