@@ -154,6 +154,13 @@ def test_water_fill_gram_equals_the_reference(dtype):
         assert bool((got[mask] == -7.0).all()), "entries outside the block were written"
         at = torch.arange(len(out_rows))
         torch.testing.assert_close(tau, block[at, own] / w[own], rtol=1e-12, atol=0)
+        # zeroed=True (the block of out is 0 already): only the positive weights are written, and
+        # the output is bitwise the one of writing every entry
+        every, positive = (torch.zeros(out_rows.numel() + 2, stride, dtype=torch.float64) for _ in range(2))
+        tau_every = native.water_fill_gram(gram, sq_r, sq_c, own, w, every, out_rows, cols)
+        tau_positive = native.water_fill_gram(gram, sq_r, sq_c, own, w, positive, out_rows, cols, zeroed=True)
+        assert torch.equal(positive, every) and torch.equal(tau_positive, tau_every)
+        assert torch.equal(every[out_rows][:, cols], got[out_rows][:, cols])
 
 
 def test_water_fill_gram_refuses_indices_out_of_range():
@@ -428,6 +435,46 @@ def test_mixing_weights_of_many_clients_take_the_screen(monkeypatch):
     got = perm.weights_from_gradients(G, n, 20.0)
     assert calls == [1]
     torch.testing.assert_close(got, water_filling(pairwise_sqdist(G), n, 20.0), rtol=1e-9, atol=1e-12)
+
+
+def test_merged_patterns_join_groups_whose_columns_hold_theirs():
+    """A row group joins a kept group whose clusters include its own when that group has at most
+    MERGE_GROWTH times its columns (widest patterns kept first); otherwise it stays apart."""
+    from pflcore.algorithms.perm import MERGE_GROWTH, _merged_patterns
+    count = torch.tensor([100.0, 100.0, 10.0, 100.0])
+    patterns = torch.tensor([[1, 0, 0, 0],   # 100 columns, inside pattern 2 (110): joins it
+                             [0, 0, 0, 1],   # 100 columns, inside nothing wider: kept
+                             [1, 0, 1, 0],   # 110 columns: kept (the widest holding pattern 0)
+                             [1, 1, 1, 0],   # 210: kept
+                             [0, 1, 0, 0]],  # 100, inside pattern 3 (210 > 1.25·100): kept
+                            dtype=torch.bool)
+    assert MERGE_GROWTH == 1.25
+    group = torch.tensor([0, 1, 2, 3, 4, 0, 2])
+    kept, new_group = _merged_patterns(patterns, group, count)
+    assert torch.equal(kept, patterns[[1, 2, 3, 4]])
+    assert new_group.tolist() == [1, 0, 1, 2, 3, 1, 1]
+    # nothing to merge: the same objects back
+    same, g = _merged_patterns(patterns[[1, 3]], torch.tensor([0, 1]), count)
+    assert torch.equal(same, patterns[[1, 3]]) and g.tolist() == [0, 1]
+
+
+def test_screened_weights_with_merged_groups_equal_the_dense_solve(monkeypatch):
+    """Where a context's rows need different neighbouring clusters (several patterns), the merged
+    groups (fewer, wider) give the dense α to rounding, like the unmerged ones."""
+    from pflcore.algorithms import perm
+    G, n = _grouped_gradients(300, 17, 3, 0.6, seed=12)
+    dense = water_filling(pairwise_sqdist(G), n, 5.0)
+    sizes = []
+    real = perm._merged_patterns
+    monkeypatch.setattr(perm, "_merged_patterns",
+                        lambda p, g, c: (lambda out: sizes.append((p.shape[0], out[0].shape[0])) or out)(real(p, g, c)))
+    merged = screened_weights(G, n, 5.0, clusters=24)
+    assert sizes[0][1] < sizes[0][0], sizes  # this case has groups to merge
+    monkeypatch.setattr(perm, "MERGE_GROWTH", 0.0)  # no merging
+    apart = screened_weights(G, n, 5.0, clusters=24)
+    for got in (merged, apart):
+        torch.testing.assert_close(got, dense, rtol=1e-9, atol=1e-12)
+        assert torch.equal(got > 1e-9, dense > 1e-9)
 
 
 def test_row_patterns_equal_unique_rows():
