@@ -408,6 +408,31 @@ def test_screened_weights_float32_products_against_the_float64_solve(monkeypatch
         screened_weights(G, n, lam, products=torch.float16)
 
 
+@pytest.mark.parametrize("d, offset", [(3000, 1e3), (9, 0.0)])
+def test_screened_weights_screen_in_float32_is_conservative(monkeypatch, d, offset):
+    """float32 gradients are screened in float32 (their rows centred in float32, the distances to
+    the cluster centres by float32 products, with bounds on that rounding): the weights are still
+    the dense solve's, wide rows and a large common offset included, and the float64 rows are
+    only made for a group that needs float64 products (here products=torch.float64)."""
+    from pflcore.algorithms import perm
+    G, n = _grouped_gradients(300, d, 4, 0.05, seed=d)
+    G = (G + offset).to(torch.float32)
+    dense = water_filling(pairwise_sqdist(G), n, 3.0)
+    made = []
+    real = perm._centred
+    monkeypatch.setattr(perm, "_centred", lambda A: made.append(A.shape) or real(A))
+    got = screened_weights(G, n, 3.0, products=torch.float64)
+    torch.testing.assert_close(got, dense, rtol=1e-9, atol=1e-11)
+    assert torch.equal(got > 1e-9, dense > 1e-9)
+    assert float((dense > 0).double().mean()) < 0.6  # weight only inside a group: there was something to skip
+    assert made == [G.shape]  # once, for the float64 products
+    # float32 products where the levels allow them: no float64 copy of the rows at all
+    G, n = _contexts_gradients()
+    made.clear()
+    screened_weights(G, n, 200.0)  # (levels large against the groups' spread: no group falls back)
+    assert made == []
+
+
 def test_screened_weights_errors():
     G, n = _grouped_gradients(10, 3, 2, 0.1, seed=1)
     with pytest.raises(ValueError, match="lam_alpha"):

@@ -30,6 +30,7 @@ process.
 from __future__ import annotations
 
 import math
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional
@@ -119,6 +120,24 @@ def _row_sumsq(A: torch.Tensor, block: int = 256) -> torch.Tensor:
     return torch.cat([(a * a).sum(dim=1) for a in A.split(block)]) if A.shape[0] else A.new_zeros(0)
 
 
+class _Float64Rows:
+    """The gradients' rows centred in float64 and their squared norms (``pairwise_sqdist``'s
+    centring, the same bits), for the groups whose products are taken in float64: made on first
+    use (from float32 gradients usually none is), once, whichever worker thread asks first."""
+
+    def __init__(self, G: torch.Tensor, S: torch.Tensor, sq: torch.Tensor):
+        self._G = G
+        self._rows = (S, sq) if S.dtype is torch.float64 else None
+        self._lock = threading.Lock()
+
+    def get(self):
+        with self._lock:
+            if self._rows is None:
+                Gc = _centred(self._G)
+                self._rows = (Gc, _row_sumsq(Gc))
+            return self._rows
+
+
 def _farthest_point_labels(Y: torch.Tensor, k: int) -> torch.Tensor:
     """``int64 [m]`` labels of ``k`` clusters of the rows of ``Y``: farthest-point traversal
     (Gonzalez), each row labelled by its nearest centre. Its clusters have small radii, which is
@@ -203,46 +222,61 @@ def _screened_weights(G: torch.Tensor, sizes: torch.Tensor, lam_alpha: float, ro
     if products not in (None, torch.float32, torch.float64):
         raise ValueError(f"products: expected None, torch.float32 or torch.float64, got {products!r}")
     low = products is torch.float32 or (products is None and G.dtype is not torch.float64)
-    Gc = _centred(G)
-    sq = _row_sumsq(Gc)
-    G32 = G.to(torch.float32) if low else None
     first, stop = rows.start or 0, m if rows.stop is None else rows.stop
+    # The screen's sums in the gradients' precision, from their rows centred in it (S), with bounds
+    # on their rounding; float64 only where a group's products need it (the centred float64 rows
+    # and their norms were ~1.3 ms of a ~14 ms solve at m = 2,000).
+    if G.dtype is torch.float32:  # (any shift keeps the distances: the mean's rounding is harmless)
+        S = G - G.mean(dim=0)
+        sq_s = _row_sumsq(S).to(torch.float64)
+    else:
+        S = _centred(G)
+        sq_s = _row_sumsq(S)
+    fine = _Float64Rows(G, S, sq_s)
+    unit = torch.finfo(S.dtype).eps  # 2u
+    G32 = G.to(torch.float32) if low else None
     k = max(1, min(int(clusters), m))
     gen = torch.Generator().manual_seed(0x5EED)
-    omega = torch.randn(d, min(int(projection), d), generator=gen, dtype=torch.float64).to(Gc.device)
+    omega = torch.randn(d, min(int(projection), d), generator=gen, dtype=torch.float64).to(S.device)
     # (Ωᵀ Gᵀ)ᵀ: MKL multiplies [m, d] by a narrow [d, 16] at ~4 GFLOP/s, the transposed product ~2.6× faster;
-    # in float32 from float32 gradients (any labelling keeps the result exact; the labels only decide
-    # how much is screened)
-    Y = torch.mm(omega.T.to(G32.dtype), G32.T).T if low else torch.mm(omega.T, Gc.T).T
+    # in the gradients' precision (any labelling keeps the result exact; the labels only decide how
+    # much is screened)
+    Y = torch.mm(omega.T.to(S.dtype), S.T).T
     labels = _farthest_point_labels(Y, k)
     k = int(labels.max()) + 1
     count = torch.bincount(labels, minlength=k).to(torch.float64)
-    mu = torch.zeros(k, d, dtype=torch.float64, device=Gc.device).index_add_(0, labels, Gc) / count[:, None]
-    # ‖g_j − μ_b‖² of every client to every mean, by the Gram formula; its rounding (≤ ~1e-13
-    # relative to the norms) is covered by the slack, which only ever keeps more clusters
-    mu_sq = (mu * mu).sum(dim=1)
-    to_all = (sq[:, None] + mu_sq[None, :]).add_(torch.mm(mu, Gc.T).T, alpha=-2.0).clamp_(min=0.0)  # [m, k]
-    slack_all = 1e-9 * (sq[:, None] + mu_sq[None, :]) + 1e-300
-    # ‖g_j − μ_{a(j)}‖ rounded up (the clusters' radii must not be underestimated): from the same
-    # products (the direct sums they replace took ~1 ms of a ~20 ms solve at m = 2,000)
-    at = torch.arange(m, device=Gc.device)
-    own = (to_all[at, labels] + slack_all[at, labels]).sqrt_()
-    radius = torch.zeros(k, dtype=torch.float64, device=Gc.device).scatter_reduce_(0, labels, own, "amax")
-    to_mu, slack = to_all[first:stop], slack_all[first:stop]  # the rows asked
-    lower = (to_mu.sqrt() - radius[None, :]).clamp_(min=0.0) ** 2 - slack  # [r, k]
-    inv_w = 2.0 * lam / sizes.to(device=Gc.device, dtype=torch.float64)
+    # the clusters' centres μ_b (any points would do: the bounds below hold for any centre)
+    mu = torch.zeros(k, d, dtype=S.dtype, device=S.device).index_add_(0, labels, S).div_(count[:, None].to(S.dtype))
+    mu_sq = (mu * mu).sum(dim=1, dtype=torch.float64)
+    # t = ‖s_j − μ_b‖² of every client to every centre by the Gram formula, within ±E of the exact
+    # value: |fl(s·μ) − s·μ| ≤ γ_d‖s‖‖μ‖ with γ_d ≈ d·u, the sums of squares' γ_d‖s‖², γ_d‖μ‖²
+    norms = sq_s[:, None] + mu_sq[None, :]
+    t = norms - 2.0 * torch.mm(mu, S.T).T.to(torch.float64)  # [m, k]
+    E = norms.mul_((d + 3) * unit).add_(1e-300)
+    far = (t + E).clamp_(min=0.0).sqrt_()  # ‖s_j − μ_b‖ rounded up
+    near = t.sub_(E).clamp_(min=0.0).sqrt_()  # and down
+    # ‖g_j − μ_{a(j)}‖ rounded up, the clusters' radii (never underestimated)
+    at = torch.arange(m, device=S.device)
+    own = far[at, labels]
+    radius = torch.zeros(k, dtype=torch.float64, device=S.device).scatter_reduce_(0, labels, own, "amax")
+    # S's own rounding: s_j = (g_j − mean)(1 + δ), |δ| ≤ u, moves a distance ‖g_i − g_j‖ by at most
+    # u(‖s_i‖ + ‖s_j‖), with ‖s_j‖ ≤ ‖μ_b‖ + r_b for a client j of cluster b
+    moved = unit * (sq_s[first:stop].sqrt()[:, None] + mu_sq.sqrt()[None, :] + radius[None, :])  # [r, k]
+    lower = (near[first:stop] - radius[None, :] - moved).clamp_(min=0.0) ** 2  # [r, k]
+    inv_w = 2.0 * lam / sizes.to(device=S.device, dtype=torch.float64)
     # upper bounds of τ_i: the level of client i alone (c_ii = 0), or of the client of its cluster
     # with the most samples, at distance at most ‖g_i − μ_a‖ + r_a
-    best = torch.full((k,), float("inf"), dtype=torch.float64, device=Gc.device)
+    best = torch.full((k,), float("inf"), dtype=torch.float64, device=S.device)
     best.scatter_reduce_(0, labels, inv_w, "amin")
     mine = labels[first:stop]
-    level = torch.minimum(inv_w[first:stop], (own[first:stop] + radius[mine]) ** 2 + best[mine]) * (1.0 + 1e-9)
+    reach = own[first:stop] + radius[mine] + moved[torch.arange(stop - first, device=S.device), mine]
+    level = torch.minimum(inv_w[first:stop], reach ** 2 + best[mine]) * (1.0 + 1e-9)
     need = lower < level[:, None]  # [r, k]: clusters that may hold weight for the row
-    need[torch.arange(stop - first, device=Gc.device), labels[first:stop]] = True
-    out = torch.zeros(stop - first, m, dtype=torch.float64, device=Gc.device)
+    need[torch.arange(stop - first, device=S.device), labels[first:stop]] = True
+    out = torch.zeros(stop - first, m, dtype=torch.float64, device=S.device)
     patterns, group = _row_patterns(need)
     patterns, group = _merged_patterns(patterns, group, count)
-    w = sizes.to(device=Gc.device, dtype=torch.float64) / (2.0 * lam)
+    w = sizes.to(device=S.device, dtype=torch.float64) / (2.0 * lam)
     adapter = backend.select("water_fill_gram", None, w)
     tasks = [(torch.nonzero(group == g_idx).flatten(),  # the group's rows (ascending)
               torch.nonzero(patterns[g_idx][labels]).flatten())  # its columns: ascending client ids
@@ -266,6 +300,7 @@ def _screened_weights(G: torch.Tensor, sizes: torch.Tensor, lam_alpha: float, ro
             again = True
         else:
             again = False
+        Gc, sq = fine.get()
         adapter.water_fill_gram(_gram(Gc, gi, some), sq[gi], sq if every else sq[cols], own, w_cols, out, r_idx,
                                 cols, zeroed=not again)
 
