@@ -446,6 +446,37 @@ PYBIND11_MODULE(_core, m) {
     };
     if (f64) run(double{}); else run(float{});
   });
+  // The dense layers' forward and backward of a chunk of CNN models (csrc/cpu/cnn_dense.cpp); the
+  // layers' parameter and gradient pointers are model 0's, the models theta_model / grad_model apart.
+  m.def("cnn_dense_grad", [](bool f64, ptr_t feats, int64_t G, int64_t n, std::vector<int64_t> dims,
+                             std::vector<ptr_t> W, std::vector<ptr_t> b, int64_t theta_model, ptr_t y, ptr_t w,
+                             std::vector<ptr_t> gW, std::vector<ptr_t> gb, int64_t grad_model, ptr_t dfeats) {
+    const size_t L = W.size();
+    require(L >= 1 && dims.size() == L + 1 && b.size() == L && gW.size() == L && gb.size() == L && G >= 0 && n >= 1,
+            "cnn_dense_grad", "expected layers >= 1 with len(dims) = layers + 1 pointers per layer, G >= 0, n >= 1");
+    for (int64_t v : dims) require(v >= 1, "cnn_dense_grad", "expected every layer width >= 1");
+    {  // the labels index the logits: a bad one would write past them
+      const int64_t* yl = as<const int64_t>(y);
+      const int64_t C = dims.back();
+      bool ok = true;
+      for (int64_t i = 0; i < G * n; ++i) ok &= yl[i] >= 0 && yl[i] < C;
+      require(ok, "cnn_dense_grad", "expected labels in [0, classes)");
+    }
+    py::gil_scoped_release nogil;
+    auto run = [&](auto zero) {
+      using T = decltype(zero);
+      std::vector<const T*> Wp(L), bp(L);
+      std::vector<T*> gWp(L), gbp(L);
+      for (size_t l = 0; l < L; ++l) {
+        Wp[l] = as<const T>(W[l]), bp[l] = as<const T>(b[l]);
+        gWp[l] = as<T>(gW[l]), gbp[l] = as<T>(gb[l]);
+      }
+      cpu::active().cnn_dense_grad.of<T>()(as<const T>(feats), G, n, int64_t(L), dims.data(), Wp.data(), bp.data(),
+                                           theta_model, as<const int64_t>(y), as<const T>(w), gWp.data(), gbp.data(),
+                                           grad_model, as<T>(dfeats));
+    };
+    if (f64) run(double{}); else run(float{});
+  });
   m.def("water_fill", [](ptr_t costs, int64_t r, int64_t k, ptr_t w, ptr_t alpha) {
     require(r >= 0 && k >= 1 && costs && w && alpha, "water_fill", "expected r >= 0, k >= 1 and non-null buffers");
     Faults faults;

@@ -244,3 +244,55 @@ def test_conv_backward_is_the_three_kernels_model_by_model(net, dtype):
             if want is not None:
                 torch.testing.assert_close(got, want, **TOL[dtype])
         assert float(outs["ref"][0].abs().max()) > 0.1
+
+
+def _dense_case(c, n, dims, dtype, seed, extra=3):
+    """Parameters and gradients of ``dims`` dense layers as views of [c, d + extra] rows (the
+    models a row apart, like theta's and the gradient's), post-ReLU-like features, labels, weights."""
+    g = _gen(seed)
+    sizes = [dims[i + 1] * dims[i] + dims[i + 1] for i in range(len(dims) - 1)]
+    theta = 0.3 * torch.randn(c, sum(sizes) + extra, generator=g, dtype=dtype)
+    layers, grads, bufs, off = [], [], [], 0
+    for _ in range(2):
+        bufs.append(torch.full((c, sum(sizes) + extra), 7.0, dtype=dtype))
+    views = [[], []]
+    for i in range(len(dims) - 1):
+        o, k = dims[i + 1], dims[i]
+        layers.append((theta[:, off:off + o * k].view(c, o, k), theta[:, off + o * k:off + o * k + o]))
+        for v, buf in zip(views, bufs):
+            v.append((buf[:, off:off + o * k].view(c, o, k), buf[:, off + o * k:off + o * k + o]))
+        off += o * k + o
+    feats = torch.randn(c, n, dims[0], generator=g, dtype=dtype).abs_()  # (a pooled ReLU output, none 0)
+    y = torch.randint(0, dims[-1], (c, n), generator=g)
+    w = torch.rand(c, n, generator=g, dtype=dtype)
+    return feats, y, w, layers, views, bufs
+
+
+@pytest.mark.parametrize("dims", [(400, 120, 84, 10), (320, 20, 10), (37, 19, 5), (16, 3), (1, 1, 2), (70, 33, 17, 12)])
+@pytest.mark.parametrize("c, n", [(3, 20), (1, 1), (2, 7), (4, 21)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dense_grad_equals_the_reference(dims, c, n, dtype):
+    """The dense layers' forward and backward (``csrc/cpu/cnn_dense.cpp``) against the torch
+    reference: odd widths (vector tails), rows and outputs past the register blocks, one row, the
+    models a theta row apart; the gradients written into their rows only, the features' gradient."""
+    feats, y, w, layers, (g_nat, g_ref), (buf_nat, buf_ref) = _dense_case(c, n, dims, dtype, seed=sum(dims) + c * n)
+    d_nat, d_ref = torch.full_like(feats, 7.0), torch.full_like(feats, 7.0)
+    NATIVE.dense_grad(feats, y, w, layers, g_nat, d_nat)
+    REF.dense_grad(feats, y, w, layers, g_ref, d_ref)
+    torch.testing.assert_close(buf_nat, buf_ref, **TOL[dtype])
+    torch.testing.assert_close(d_nat, d_ref, **TOL[dtype])
+    assert bool((buf_nat[:, -3:] == 7.0).all()), "a gradient row was written past its layers"
+    assert float(buf_ref[:, :-3].abs().max()) > 0  # (the last bias gradient: softmax − onehot, never 0)
+
+
+def test_dense_grad_refuses_labels_past_the_classes():
+    """The native kernel indexes the logits by the labels: one outside [0, classes) is a
+    ValueError before anything is written."""
+    feats, y, w, layers, (grads, _), (buf, _) = _dense_case(2, 3, (20, 7, 4), torch.float32, seed=5)
+    dfeats = torch.full_like(feats, 7.0)
+    for bad in (4, -1):
+        y2 = y.clone()
+        y2[1, 2] = bad
+        with pytest.raises(ValueError, match=r"^cnn_dense_grad: expected labels in \[0, classes\)"):
+            NATIVE.dense_grad(feats, y2, w, layers, grads, dfeats)
+    assert bool((buf == 7.0).all()) and bool((dfeats == 7.0).all())

@@ -72,6 +72,10 @@ using CnnPoolBackFn = void (*)(const T*, const T*, int64_t, int64_t, int64_t, in
                                int64_t, int64_t, int64_t, const int32_t*, T*, int64_t);
 
 template <typename T>
+using CnnDenseGradFn = void (*)(const T*, int64_t, int64_t, int64_t, const int64_t*, const T* const*, const T* const*,
+                                int64_t, const int64_t*, const T*, T* const*, T* const*, int64_t, T*);
+
+template <typename T>
 using WaterFillGramFn = void (*)(const T*, const double*, const double*, const int64_t*, int64_t, int64_t,
                                  const double*, double*, int64_t, const int64_t*, const int64_t*, bool, double*,
                                  Faults&);
@@ -95,6 +99,7 @@ struct KernelTable {
   Typed<CnnPoolFn> cnn_pool_relu;
   Typed<CnnConvPoolFn> cnn_conv_pool_relu;
   Typed<CnnPoolBackFn> cnn_pool_relu_backward;
+  Typed<CnnDenseGradFn> cnn_dense_grad;
   void (*dp_normals)(uint64_t, uint64_t, int64_t, double*);
   void (*anderson_solve)(const double*, int64_t, double, double*);
   void (*water_fill)(const double*, int64_t, int64_t, const double*, double*, Faults&);

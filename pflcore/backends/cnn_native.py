@@ -157,6 +157,19 @@ class NativeOps:
                                     0 if wt is None else wt.data_ptr(), cin, k, wp, qv,
                                     0 if dx is None else dx.data_ptr(), dx_img, dx_row)
 
+    def dense_grad(self, feats, y, w, layers, grads, dfeats):
+        """The dense layers' forward and backward (``TorchOps.dense_grad``): ``layers`` and
+        ``grads`` are ``[(W [c, out, in], b [c, out])]`` (each model's block contiguous, the
+        models any one stride apart: rows of theta and of the gradient)."""
+        c, n, _ = feats.shape
+        dims = [layers[0][0].shape[2]] + [W.shape[1] for W, _ in layers]
+        y = y.to(torch.int64).contiguous()  # (held here: the kernel reads it through a pointer)
+        self.core.cnn_dense_grad(feats.dtype is torch.float64, feats.data_ptr(), c, n, dims,
+                                 [W.data_ptr() for W, _ in layers], [b.data_ptr() for _, b in layers],
+                                 layers[0][0].stride(0), y.data_ptr(), w.data_ptr(),
+                                 [g.data_ptr() for g, _ in grads], [g.data_ptr() for _, g in grads], grads[0][0].stride(0),
+                                 dfeats.data_ptr())
+
     def pool_relu_backward(self, da, h, N, C, h2, w2, n, in_group, in_img, s_c, s_y, s_x, idx, dz, dz_row):
         self.core.cnn_pool_relu_backward(da.dtype is torch.float64, da.data_ptr(), h.data_ptr(), N, C, h2, w2, n,
                                          in_group, in_img, s_c, s_y, s_x, idx.data_ptr(), dz.data_ptr(), dz_row)
@@ -215,6 +228,26 @@ class TorchOps:
         if dx is not None:
             self.input_grad(dz, C * P, P, wt, G, n, C, cin, k, wp, P, qv, dx, dx_img, dx_row)
 
+    def dense_grad(self, feats, y, w, layers, grads, dfeats):
+        """Dense layers ``h_l = relu(h_{l−1} W_lᵀ + b_l)`` (no ReLU after the last) from the
+        features ``feats [c, n, F]``; the gradient of Σ_r w_r·ce_r (labels ``y [c, n]`` int64,
+        weights ``w [c, n]``) written into ``grads`` ``[(gW [c, out, in], gb [c, out])]`` and, at
+        the features, into ``dfeats [c, n, F]``."""
+        hs = [feats]
+        for j, (W, b) in enumerate(layers):
+            z = torch.baddbmm(b.unsqueeze(1), hs[-1], W.transpose(1, 2))  # [c, n, out]
+            hs.append(z.relu() if j < len(layers) - 1 else z)
+        dz = torch.softmax(hs[-1], 2)
+        dz.scatter_add_(2, y.unsqueeze(2), torch.full_like(dz[:, :, :1], -1.0))
+        dz.mul_(w.unsqueeze(2))
+        for j in range(len(layers) - 1, -1, -1):
+            W, h = layers[j][0], hs[j]
+            grads[j][0].copy_(torch.bmm(dz.transpose(1, 2), h))
+            grads[j][1].copy_(dz.sum(1))
+            dh = torch.bmm(dz, W)  # [c, n, in]
+            dz = torch.where(h > 0, dh, torch.zeros_like(dh)) if j > 0 else dh
+        dfeats.copy_(dz)
+
     def pool_relu_backward(self, da, h, N, C, h2, w2, n, in_group, in_img, s_c, s_y, s_x, idx, dz, dz_row):
         shape, strides = (N // n, n, C, h2, w2), (in_group, in_img, s_c, s_y, s_x)
         hv, dav = h.as_strided(shape, strides).reshape(N, C, -1), da.as_strided(shape, strides).reshape(N, C, -1)
@@ -267,45 +300,64 @@ class CNNChunk(cnn_im2col.ChunkHead):
             x.reshape(c * n, cin, H, W))
         return buf
 
-    def _pool_target(self, j: int, n: int, like: torch.Tensor):
+    def _pool_target(self, j: int, n: int, like: torch.Tensor, rows_major: bool = False):
         """Where layer j's pooled output goes: (flat buffer, its view at the first pixel, strides
-        (group, image, channel, row, column)); the next layer's padded input, or the features."""
+        (group, image, channel, row, column)); the next layer's padded input, or the features:
+        ``[c, C·H·W, n]`` (the torch dense layers'), or ``[c, n, C·H·W]`` (``rows_major``: the
+        native dense layers')."""
         g, c = self.geo[j], self.c
         if j + 1 < len(self.geo):
             nx = self.geo[j + 1]
             buf = like.new_zeros(c * n * nx.cin * nx.L + _SLACK)  # zero borders, gaps and slack
             first = nx.pad * nx.wp + nx.pad
             return buf, buf[first:], (n * nx.cin * nx.L, nx.cin * nx.L, nx.L, nx.wp, 1)
-        feats = like.new_empty(c, g.cout * g.h2 * g.w2, n)  # [c, C·H·W, n]
-        return feats, feats.view(-1), (g.cout * g.h2 * g.w2 * n, 1, g.h2 * g.w2 * n, g.w2 * n, n)
+        F = g.cout * g.h2 * g.w2
+        if rows_major:
+            feats = like.new_empty(c, n, F)
+            return feats, feats.view(-1), (n * F, F, g.h2 * g.w2, g.w2, 1)
+        feats = like.new_empty(c, F, n)  # [c, C·H·W, n]
+        return feats, feats.view(-1), (F * n, 1, g.h2 * g.w2 * n, g.w2 * n, n)
 
     # ---- forward ---------------------------------------------------------------------------
 
     def logits_t(self, x: torch.Tensor, keep: bool = False) -> torch.Tensor:
         """Logits ``[c, C, n]`` (classes first) of every model on its rows ``x [c, n, p]``;
         ``keep``: save what ``gradient`` needs."""
+        return self._dense_forward(*self._conv_forward(x, keep, rows_major=False), keep)
+
+    def _conv_forward(self, x: torch.Tensor, keep: bool, rows_major: bool):
+        """The conv layers: (the features, the layers' saved state (``keep``: else empty)); the
+        features ``[c, n, C·H·W]`` where ``rows_major``, else ``[c, C·H·W, n]``."""
         c, n = x.shape[:2]
         N, ops, pool = c * n, self.ops, self.model.pool
         a = self._first_input(x)
         saved = []
         for j, (g, (Wk, b, _)) in enumerate(zip(self.geo, self.conv)):
             idx = torch.empty(N * g.cout * g.h2 * g.w2, dtype=torch.int32, device=x.device)
-            nxt, at, st = self._pool_target(j, n, x)
+            nxt, at, st = self._pool_target(j, n, x, rows_major)
             # the conv's output z [N, Cout, Lz] pooled image by image (conv_pool_relu: shifted_gemm
             # then pool_relu, without a buffer of every image's planes)
             ops.conv_pool_relu(a, g.cin * g.L, g.off_f, Wk, b, c, n, g.cout, g.lz, g.wp, g.h2, g.w2, pool, at, *st, idx)
             if keep:
                 saved.append((a, idx, at, st))
             a = nxt
-        return self._dense_forward(a, saved, keep)
+        return a, saved
 
     # ---- backward --------------------------------------------------------------------------
 
     def gradient(self, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, out: Dict[str, torch.Tensor]) -> None:
         """Writes the gradient of Σ_j w_j·ce_j (row weights ``w [c, n]``, labels ``y [c, n]``) of
         every model into ``out`` (``model.split`` of a ``[c, d]`` buffer)."""
-        da = self._dense_backward(x, y, w, out).contiguous().view(-1)  # at the features [c, C·H·W, n]
         c, n = y.shape
+        # the conv layers with the features [c, n, F] (each image's flattened features one row), then
+        # the dense layers' forward and backward in one call (ops.dense_grad), the gradient at the
+        # features in the features' layout
+        feats, self._saved = self._conv_forward(x, True, rows_major=True)
+        names, nconv = self.names, len(self.geo)
+        grads = [(out[names[2 * (nconv + j)]], out[names[2 * (nconv + j) + 1]]) for j in range(len(self.fc))]
+        dfeats = torch.empty_like(feats)
+        self.ops.dense_grad(feats, y.contiguous(), w.to(feats.dtype).contiguous(), self.fc, grads, dfeats)
+        da = dfeats.view(-1)
         N, ops, names = c * n, self.ops, self.names
         nconv = len(self.geo)
         for j in range(nconv - 1, -1, -1):

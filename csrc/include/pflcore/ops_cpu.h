@@ -153,6 +153,17 @@ template <typename T>
 void cnn_pool_relu_backward(const T* da, const T* h, int64_t N, int64_t C, int64_t H2, int64_t W2, int64_t n,
                             int64_t in_group, int64_t in_img, int64_t s_c, int64_t s_y, int64_t s_x,
                             const int32_t* idx, T* dz, int64_t dz_row);
+// The dense layers of G CNN models on their n rows each (csrc/cpu/cnn_dense.cpp): forward from
+// the features, the gradient of Σ_r w_r·ce_r into each layer's weight and bias gradient (model g's
+// layer l at gW[l] + g·grad_model, gb[l] + g·grad_model) and the gradient at the features. Layer l
+// maps dims[l] → dims[l + 1] with W[l] [dims[l + 1], dims[l]] (model g's at W[l] + g·theta_model),
+// ReLU after every layer but the last. Labels are trusted (the caller checked them).
+template <typename T>
+void cnn_dense_grad(const T* feats /*[G, n, dims[0]]*/, int64_t G, int64_t n, int64_t layers,
+                    const int64_t* dims /*[layers + 1]*/, const T* const* W /*[layers]*/,
+                    const T* const* b /*[layers]*/, int64_t theta_model, const int64_t* y /*[G, n]*/,
+                    const T* w /*[G, n]*/, T* const* gW /*[layers]*/, T* const* gb /*[layers]*/, int64_t grad_model,
+                    T* dfeats /*[G, n, dims[0]]*/);
 
 // PERM's water-filling (csrc/cpu/water_fill.cpp): alpha[i, j] = w[j]·max(0, τ_i − costs[i, j]), the
 // level τ_i such that the row sums to 1. Checks w (finite, > 0) and each row of costs (finite).
