@@ -477,6 +477,22 @@ PYBIND11_MODULE(_core, m) {
     };
     if (f64) run(double{}); else run(float{});
   });
+  m.def("cnn_dense_logits", [](bool f64, ptr_t feats, int64_t G, int64_t n, std::vector<int64_t> dims,
+                               std::vector<ptr_t> W, std::vector<ptr_t> b, int64_t theta_model, ptr_t logits) {
+    const size_t L = W.size();
+    require(L >= 1 && dims.size() == L + 1 && b.size() == L && G >= 0 && n >= 1, "cnn_dense_logits",
+            "expected layers >= 1 with len(dims) = layers + 1 pointers per layer, G >= 0, n >= 1");
+    for (int64_t v : dims) require(v >= 1, "cnn_dense_logits", "expected every layer width >= 1");
+    py::gil_scoped_release nogil;
+    auto run = [&](auto zero) {
+      using T = decltype(zero);
+      std::vector<const T*> Wp(L), bp(L);
+      for (size_t l = 0; l < L; ++l) Wp[l] = as<const T>(W[l]), bp[l] = as<const T>(b[l]);
+      cpu::active().cnn_dense_logits.of<T>()(as<const T>(feats), G, n, int64_t(L), dims.data(), Wp.data(), bp.data(),
+                                             theta_model, as<T>(logits));
+    };
+    if (f64) run(double{}); else run(float{});
+  });
   m.def("water_fill", [](ptr_t costs, int64_t r, int64_t k, ptr_t w, ptr_t alpha) {
     require(r >= 0 && k >= 1 && costs && w && alpha, "water_fill", "expected r >= 0, k >= 1 and non-null buffers");
     Faults faults;

@@ -296,3 +296,14 @@ def test_dense_grad_refuses_labels_past_the_classes():
         with pytest.raises(ValueError, match=r"^cnn_dense_grad: expected labels in \[0, classes\)"):
             NATIVE.dense_grad(feats, y2, w, layers, grads, dfeats)
     assert bool((buf == 7.0).all()) and bool((dfeats == 7.0).all())
+
+
+@pytest.mark.parametrize("dims", [(400, 120, 84, 10), (37, 19, 5), (16, 3), (70, 33, 17, 12)])
+@pytest.mark.parametrize("c, n", [(3, 20), (1, 1), (4, 21)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dense_logits_equal_the_reference_and_the_gradients_forward(dims, c, n, dtype):
+    """The dense layers' forward alone (evaluate's) against the reference."""
+    feats, _, _, layers, _, _ = _dense_case(c, n, dims, dtype, seed=sum(dims) + 3 * c * n)
+    got = NATIVE.dense_logits(feats, layers)
+    assert got.shape == (c, n, dims[-1])
+    torch.testing.assert_close(got, REF.dense_logits(feats, layers), **TOL[dtype])

@@ -288,6 +288,28 @@ void cnn_dense_grad(const T* feats, int64_t G, int64_t n, int64_t Lyr, const int
   }
 }
 
+template <typename T>
+void cnn_dense_logits(const T* feats, int64_t G, int64_t n, int64_t Lyr, const int64_t* dims, const T* const* W,
+                      const T* const* b, int64_t theta_model, T* logits) {
+  using D = Dense<T>;
+  int64_t widest = 0;
+  for (int64_t l = 1; l < Lyr; ++l) widest = std::max(widest, dims[l]);
+  std::vector<T> h(static_cast<size_t>(2 * n * widest));  // two hidden layers' activations, in turn
+  const int64_t F = dims[0], C = dims[Lyr];
+  for (int64_t g = 0; g < G; ++g) {
+    const T* in = feats + g * n * F;
+    for (int64_t l = 1; l <= Lyr; ++l) {
+      T* o = l == Lyr ? logits + g * n * C : h.data() + ((l - 1) % 2) * n * widest;
+      D::dots(in, n, dims[l - 1], W[l - 1] + g * theta_model, b[l - 1] + g * theta_model, dims[l], l < Lyr, o);
+      in = o;
+    }
+  }
+}
+
+template void cnn_dense_logits<float>(const float*, int64_t, int64_t, int64_t, const int64_t*, const float* const*,
+                                      const float* const*, int64_t, float*);
+template void cnn_dense_logits<double>(const double*, int64_t, int64_t, int64_t, const int64_t*,
+                                       const double* const*, const double* const*, int64_t, double*);
 template void cnn_dense_grad<float>(const float*, int64_t, int64_t, int64_t, const int64_t*, const float* const*,
                                     const float* const*, int64_t, const int64_t*, const float*, float* const*,
                                     float* const*, int64_t, float*);

@@ -76,6 +76,10 @@ using CnnDenseGradFn = void (*)(const T*, int64_t, int64_t, int64_t, const int64
                                 int64_t, const int64_t*, const T*, T* const*, T* const*, int64_t, T*);
 
 template <typename T>
+using CnnDenseLogitsFn = void (*)(const T*, int64_t, int64_t, int64_t, const int64_t*, const T* const*,
+                                  const T* const*, int64_t, T*);
+
+template <typename T>
 using WaterFillGramFn = void (*)(const T*, const double*, const double*, const int64_t*, int64_t, int64_t,
                                  const double*, double*, int64_t, const int64_t*, const int64_t*, bool, double*,
                                  Faults&);
@@ -100,6 +104,7 @@ struct KernelTable {
   Typed<CnnConvPoolFn> cnn_conv_pool_relu;
   Typed<CnnPoolBackFn> cnn_pool_relu_backward;
   Typed<CnnDenseGradFn> cnn_dense_grad;
+  Typed<CnnDenseLogitsFn> cnn_dense_logits;
   void (*dp_normals)(uint64_t, uint64_t, int64_t, double*);
   void (*anderson_solve)(const double*, int64_t, double, double*);
   void (*water_fill)(const double*, int64_t, int64_t, const double*, double*, Faults&);

@@ -170,6 +170,16 @@ class NativeOps:
                                  [g.data_ptr() for g, _ in grads], [g.data_ptr() for _, g in grads], grads[0][0].stride(0),
                                  dfeats.data_ptr())
 
+    def dense_logits(self, feats, layers):
+        """The dense layers' forward alone (``TorchOps.dense_logits``)."""
+        c, n, _ = feats.shape
+        dims = [layers[0][0].shape[2]] + [W.shape[1] for W, _ in layers]
+        logits = feats.new_empty(c, n, dims[-1])
+        self.core.cnn_dense_logits(feats.dtype is torch.float64, feats.data_ptr(), c, n, dims,
+                                   [W.data_ptr() for W, _ in layers], [b.data_ptr() for _, b in layers],
+                                   layers[0][0].stride(0), logits.data_ptr())
+        return logits
+
     def pool_relu_backward(self, da, h, N, C, h2, w2, n, in_group, in_img, s_c, s_y, s_x, idx, dz, dz_row):
         self.core.cnn_pool_relu_backward(da.dtype is torch.float64, da.data_ptr(), h.data_ptr(), N, C, h2, w2, n,
                                          in_group, in_img, s_c, s_y, s_x, idx.data_ptr(), dz.data_ptr(), dz_row)
@@ -227,6 +237,15 @@ class TorchOps:
         self.shifted_corr(dz, C * P, P, src, src_img, off, G, n, C, P, dw, db)
         if dx is not None:
             self.input_grad(dz, C * P, P, wt, G, n, C, cin, k, wp, P, qv, dx, dx_img, dx_row)
+
+    @staticmethod
+    def dense_logits(feats, layers):
+        """The logits ``[c, n, C]`` of the dense layers below from the features ``feats [c, n, F]``."""
+        h = feats
+        for j, (W, b) in enumerate(layers):
+            h = torch.baddbmm(b.unsqueeze(1), h, W.transpose(1, 2))
+            h = h.relu() if j < len(layers) - 1 else h
+        return h
 
     def dense_grad(self, feats, y, w, layers, grads, dfeats):
         """Dense layers ``h_l = relu(h_{l−1} W_lᵀ + b_l)`` (no ReLU after the last) from the
@@ -323,7 +342,10 @@ class CNNChunk(cnn_im2col.ChunkHead):
     def logits_t(self, x: torch.Tensor, keep: bool = False) -> torch.Tensor:
         """Logits ``[c, C, n]`` (classes first) of every model on its rows ``x [c, n, p]``;
         ``keep``: save what ``gradient`` needs."""
-        return self._dense_forward(*self._conv_forward(x, keep, rows_major=False), keep)
+        if keep:
+            return self._dense_forward(*self._conv_forward(x, keep, rows_major=False), keep)
+        feats, _ = self._conv_forward(x, False, rows_major=True)
+        return self.ops.dense_logits(feats, self.fc).transpose(1, 2)  # the dense layers in one call
 
     def _conv_forward(self, x: torch.Tensor, keep: bool, rows_major: bool):
         """The conv layers: (the features, the layers' saved state (``keep``: else empty)); the

@@ -164,6 +164,11 @@ void cnn_dense_grad(const T* feats /*[G, n, dims[0]]*/, int64_t G, int64_t n, in
                     const T* const* b /*[layers]*/, int64_t theta_model, const int64_t* y /*[G, n]*/,
                     const T* w /*[G, n]*/, T* const* gW /*[layers]*/, T* const* gb /*[layers]*/, int64_t grad_model,
                     T* dfeats /*[G, n, dims[0]]*/);
+// Its forward alone: the logits [G, n, dims[layers]] of every model's rows.
+template <typename T>
+void cnn_dense_logits(const T* feats /*[G, n, dims[0]]*/, int64_t G, int64_t n, int64_t layers,
+                      const int64_t* dims /*[layers + 1]*/, const T* const* W /*[layers]*/,
+                      const T* const* b /*[layers]*/, int64_t theta_model, T* logits /*[G, n, dims[layers]]*/);
 
 // PERM's water-filling (csrc/cpu/water_fill.cpp): alpha[i, j] = w[j]·max(0, τ_i − costs[i, j]), the
 // level τ_i such that the row sums to 1. Checks w (finite, > 0) and each row of costs (finite).
