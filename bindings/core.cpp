@@ -493,6 +493,12 @@ PYBIND11_MODULE(_core, m) {
     };
     if (f64) run(double{}); else run(float{});
   });
+  m.def("sym_products", [](bool f64, ptr_t Y, int64_t n, int64_t d, ptr_t out) {
+    require(n >= 0 && d >= 1 && (n == 0 || (Y && out)), "sym_products", "expected n >= 0, d >= 1, non-null buffers");
+    py::gil_scoped_release nogil;
+    if (f64) cpu::active().sym_products.f64(as<const double>(Y), n, d, as<double>(out));
+    else cpu::active().sym_products.f32(as<const float>(Y), n, d, as<float>(out));
+  });
   m.def("water_fill", [](ptr_t costs, int64_t r, int64_t k, ptr_t w, ptr_t alpha) {
     require(r >= 0 && k >= 1 && costs && w && alpha, "water_fill", "expected r >= 0, k >= 1 and non-null buffers");
     Faults faults;

@@ -533,3 +533,52 @@ def test_symmetric_gram_blocks_equal_the_product(n):
     torch.testing.assert_close(every, Gc[:n] @ Gc[:n].T, rtol=1e-13, atol=1e-12)
     other = _gram(Gc, rows, rows.flip(0))
     torch.testing.assert_close(other, Gc[rows] @ Gc[rows.flip(0)].T, rtol=1e-13, atol=1e-12)
+
+
+@pytest.mark.usefixtures("cpu_level")  # once per CPU capability level this CPU runs
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_sym_products_equal_the_product(dtype):
+    """The native symmetric products Y·Yᵀ (upper block triangle, mirrored) against torch's
+    product in float64: odd shapes around the panels (16/32 columns) and row blocks (6/12 rows),
+    one row, one column; the result exactly symmetric."""
+    from pflcore import backend
+    core = backend.loaded("native")
+    if core is None:
+        pytest.skip("the native module is not built")
+    g = torch.Generator().manual_seed(31)
+    for n, d in [(1, 1), (1, 9), (5, 3), (12, 17), (13, 40), (33, 7), (64, 64), (97, 130), (257, 61)]:
+        Y = torch.randn(n, d, generator=g, dtype=dtype)
+        out = torch.full((n, n), 7.0, dtype=dtype)
+        core.sym_products(dtype is torch.float64, Y.data_ptr(), n, d, out.data_ptr())
+        want = Y.double() @ Y.double().T
+        tol = dict(rtol=1e-5, atol=1e-5 * d) if dtype is torch.float32 else dict(rtol=1e-12, atol=1e-12 * d)
+        torch.testing.assert_close(out.double(), want, **tol)
+        assert torch.equal(out, out.T)
+
+
+def test_screened_weights_take_the_native_symmetric_products_where_they_serve(monkeypatch):
+    """On the avx512 level the groups' symmetric products come from the native kernel (elsewhere
+    from torch); α the same to rounding either way, and the dense solve's."""
+    from pflcore import backend
+    from pflcore.algorithms import perm
+    G, n = _contexts_gradients()
+    dense = water_filling(pairwise_sqdist(G), n, 200.0)
+    calls = []
+    core = backend.loaded("native")
+    native = perm._sym_kernel()
+    if native is not None:
+        class Spy:
+            def __getattr__(self, name):
+                return getattr(core, name)
+
+            def sym_products(self, *a):
+                calls.append(a[2])
+                return core.sym_products(*a)
+        monkeypatch.setattr(perm, "_sym_kernel", lambda: Spy())
+    got = screened_weights(G, n, 200.0)
+    assert (len(calls) > 0) == (native is not None)
+    monkeypatch.setattr(perm, "_sym_kernel", lambda: None)
+    torch_path = screened_weights(G, n, 200.0)
+    scale = float(dense.max())
+    for a in (got, torch_path):
+        assert float((a - dense).abs().max()) <= 2e-6 * scale

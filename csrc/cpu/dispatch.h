@@ -80,6 +80,9 @@ using CnnDenseLogitsFn = void (*)(const T*, int64_t, int64_t, int64_t, const int
                                   const T* const*, int64_t, T*);
 
 template <typename T>
+using SymProductsFn = void (*)(const T*, int64_t, int64_t, T*);
+
+template <typename T>
 using WaterFillGramFn = void (*)(const T*, const double*, const double*, const int64_t*, int64_t, int64_t,
                                  const double*, double*, int64_t, const int64_t*, const int64_t*, bool, double*,
                                  Faults&);
@@ -105,6 +108,7 @@ struct KernelTable {
   Typed<CnnPoolBackFn> cnn_pool_relu_backward;
   Typed<CnnDenseGradFn> cnn_dense_grad;
   Typed<CnnDenseLogitsFn> cnn_dense_logits;
+  Typed<SymProductsFn> sym_products;
   void (*dp_normals)(uint64_t, uint64_t, int64_t, double*);
   void (*anderson_solve)(const double*, int64_t, double, double*);
   void (*water_fill)(const double*, int64_t, int64_t, const double*, double*, Faults&);

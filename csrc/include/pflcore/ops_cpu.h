@@ -170,6 +170,11 @@ void cnn_dense_logits(const T* feats /*[G, n, dims[0]]*/, int64_t G, int64_t n, 
                       const int64_t* dims /*[layers + 1]*/, const T* const* W /*[layers]*/,
                       const T* const* b /*[layers]*/, int64_t theta_model, T* logits /*[G, n, dims[layers]]*/);
 
+// out = Y Yᵀ (csrc/cpu/sym_products.cpp): the upper block triangle computed, the rest mirrored
+// (exactly symmetric). One thread.
+template <typename T>
+void sym_products(const T* Y /*[n, d]*/, int64_t n, int64_t d, T* out /*[n, n]*/);
+
 // PERM's water-filling (csrc/cpu/water_fill.cpp): alpha[i, j] = w[j]·max(0, τ_i − costs[i, j]), the
 // level τ_i such that the row sums to 1. Checks w (finite, > 0) and each row of costs (finite).
 void water_fill(const double* costs /*[r, k]*/, int64_t r, int64_t k, const double* w /*[k]*/,
