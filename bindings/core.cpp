@@ -509,21 +509,22 @@ PYBIND11_MODULE(_core, m) {
     raise_faults(faults);
   });
   m.def("water_fill_gram", [](bool f64, ptr_t gram, ptr_t sq_r, ptr_t sq_c, ptr_t own, int64_t r, int64_t k, ptr_t w,
-                              ptr_t out, int64_t out_stride, ptr_t out_rows, ptr_t cols, bool zeroed, ptr_t levels) {
+                              ptr_t out, int64_t out_stride, ptr_t out_rows, ptr_t cols, int fill, ptr_t levels) {
     require(r >= 0 && k >= 1 && out_stride >= k && (r == 0 || (gram && sq_r && own && out && out_rows && levels)) &&
                 sq_c && w && cols,
             "water_fill_gram", "expected r >= 0, 1 <= k <= out_stride and non-null buffers");
+    require(fill >= 0 && fill <= 2, "water_fill_gram", "expected fill 0, 1 or 2");
     Faults faults;
     {
       py::gil_scoped_release nogil;
       if (f64)
         cpu::water_fill_gram(as<const double>(gram), as<const double>(sq_r), as<const double>(sq_c),
                              as<const int64_t>(own), r, k, as<const double>(w), as<double>(out), out_stride,
-                             as<const int64_t>(out_rows), as<const int64_t>(cols), zeroed, as<double>(levels), faults);
+                             as<const int64_t>(out_rows), as<const int64_t>(cols), fill, as<double>(levels), faults);
       else
         cpu::water_fill_gram(as<const float>(gram), as<const double>(sq_r), as<const double>(sq_c),
                              as<const int64_t>(own), r, k, as<const double>(w), as<double>(out), out_stride,
-                             as<const int64_t>(out_rows), as<const int64_t>(cols), zeroed, as<double>(levels), faults);
+                             as<const int64_t>(out_rows), as<const int64_t>(cols), fill, as<double>(levels), faults);
     }
     raise_faults(faults);
   });

@@ -154,13 +154,22 @@ def test_water_fill_gram_equals_the_reference(dtype):
         assert bool((got[mask] == -7.0).all()), "entries outside the block were written"
         at = torch.arange(len(out_rows))
         torch.testing.assert_close(tau, block[at, own] / w[own], rtol=1e-12, atol=0)
-        # zeroed=True (the block of out is 0 already): only the positive weights are written, and
-        # the output is bitwise the one of writing every entry
+        # fill="positive" (the block of out is 0 already): only the positive weights are written,
+        # and the output is bitwise the one of writing every entry; fill="row" (on both backends):
+        # each output row cleared first, so an uninitialized out gives the same rows
         every, positive = (torch.zeros(out_rows.numel() + 2, stride, dtype=torch.float64) for _ in range(2))
         tau_every = native.water_fill_gram(gram, sq_r, sq_c, own, w, every, out_rows, cols)
-        tau_positive = native.water_fill_gram(gram, sq_r, sq_c, own, w, positive, out_rows, cols, zeroed=True)
+        tau_positive = native.water_fill_gram(gram, sq_r, sq_c, own, w, positive, out_rows, cols, fill="positive")
         assert torch.equal(positive, every) and torch.equal(tau_positive, tau_every)
         assert torch.equal(every[out_rows][:, cols], got[out_rows][:, cols])
+        for a in (native, ref):
+            cleared = torch.full((out_rows.numel() + 2, stride), float("nan"), dtype=torch.float64)
+            a.water_fill_gram(gram, sq_r, sq_c, own, w, cleared, out_rows, cols, fill="row")
+            assert torch.equal(cleared[out_rows], every[out_rows]) if a is native else \
+                bool(torch.allclose(cleared[out_rows], every[out_rows], rtol=1e-12, atol=1e-14))
+            others = torch.ones(out_rows.numel() + 2, dtype=torch.bool)
+            others[out_rows] = False
+            assert bool(cleared[others].isnan().all()), "rows outside out_rows were written"
 
 
 def test_water_fill_gram_refuses_indices_out_of_range():

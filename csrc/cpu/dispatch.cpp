@@ -238,8 +238,8 @@ void water_fill(const double* costs, int64_t r, int64_t k, const double* w, doub
 template <typename T>
 void water_fill_gram(const T* gram, const double* sq_r, const double* sq_c, const int64_t* own, int64_t r, int64_t k,
                      const double* w, double* out, int64_t out_stride, const int64_t* out_rows, const int64_t* cols,
-                     bool zeroed, double* levels, Faults& faults) {
-  active().water_fill_gram.of<T>()(gram, sq_r, sq_c, own, r, k, w, out, out_stride, out_rows, cols, zeroed, levels,
+                     int fill, double* levels, Faults& faults) {
+  active().water_fill_gram.of<T>()(gram, sq_r, sq_c, own, r, k, w, out, out_stride, out_rows, cols, fill, levels,
                                    faults);
 }
 
@@ -290,10 +290,10 @@ template void clip_and_sum<float>(const float*, int64_t, int64_t, const float*, 
 template void clip_and_sum<double>(const double*, int64_t, int64_t, const double*, double, double, uint64_t,
                                    uint64_t, double*, int64_t*, Faults&);
 template void water_fill_gram<float>(const float*, const double*, const double*, const int64_t*, int64_t, int64_t,
-                                     const double*, double*, int64_t, const int64_t*, const int64_t*, bool, double*,
+                                     const double*, double*, int64_t, const int64_t*, const int64_t*, int, double*,
                                      Faults&);
 template void water_fill_gram<double>(const double*, const double*, const double*, const int64_t*, int64_t, int64_t,
-                                      const double*, double*, int64_t, const int64_t*, const int64_t*, bool, double*,
+                                      const double*, double*, int64_t, const int64_t*, const int64_t*, int, double*,
                                       Faults&);
 
 }  // namespace cpu

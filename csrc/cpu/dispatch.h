@@ -84,7 +84,7 @@ using SymProductsFn = void (*)(const T*, int64_t, int64_t, T*);
 
 template <typename T>
 using WaterFillGramFn = void (*)(const T*, const double*, const double*, const int64_t*, int64_t, int64_t,
-                                 const double*, double*, int64_t, const int64_t*, const int64_t*, bool, double*,
+                                 const double*, double*, int64_t, const int64_t*, const int64_t*, int, double*,
                                  Faults&);
 
 struct KernelTable {

@@ -168,7 +168,7 @@ void water_fill(const double* costs, int64_t r, int64_t k, const double* w, doub
 template <typename T>
 void water_fill_gram(const T* gram, const double* sq_r, const double* sq_c, const int64_t* own, int64_t r, int64_t k,
                      const double* w, double* out, int64_t out_stride, const int64_t* out_rows, const int64_t* cols,
-                     bool zeroed, double* levels, Faults& faults) {
+                     int fill, double* levels, Faults& faults) {
   std::vector<double> inv_w;
   if (!inverse_weights(w, k, inv_w, faults)) return;
 #pragma omp parallel if (r * k > (1 << 15))
@@ -198,7 +198,8 @@ void water_fill_gram(const T* gram, const double* sq_r, const double* sq_c, cons
       int64_t active = -1;
       const double tau = row_level<true>(ci, w, inv_w.data(), k, Ac.data(), Aw.data(), Ai.data(), &active);
       double* o = out + out_rows[i] * out_stride;
-      if (zeroed && active >= 0) {  // the positive weights only, w_j·(τ − c_j) as below (the same bits)
+      if (fill == 2) std::fill(o, o + out_stride, 0.0);  // the whole row cleared here, by this row's thread
+      if (fill != 0 && active >= 0) {  // the positive weights only, w_j·(τ − c_j) as below (the same bits)
         for (int64_t q = 0; q < active; ++q) o[cols[Ai[size_t(q)]]] = Aw[size_t(q)] * (tau - Ac[size_t(q)]);
       } else {
         for (int64_t j = 0; j < k; ++j) o[cols[j]] = w[j] * std::max(0.0, tau - ci[j]);  // (no branch on the data)
@@ -209,10 +210,10 @@ void water_fill_gram(const T* gram, const double* sq_r, const double* sq_c, cons
 }
 
 template void water_fill_gram<float>(const float*, const double*, const double*, const int64_t*, int64_t, int64_t,
-                                     const double*, double*, int64_t, const int64_t*, const int64_t*, bool, double*,
+                                     const double*, double*, int64_t, const int64_t*, const int64_t*, int, double*,
                                      Faults&);
 template void water_fill_gram<double>(const double*, const double*, const double*, const int64_t*, int64_t, int64_t,
-                                      const double*, double*, int64_t, const int64_t*, const int64_t*, bool, double*,
+                                      const double*, double*, int64_t, const int64_t*, const int64_t*, int, double*,
                                       Faults&);
 
 PFLCORE_LEVEL_END

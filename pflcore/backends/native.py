@@ -164,7 +164,7 @@ class NativeAdapter(Adapter):
         self._core.water_fill(costs.data_ptr(), costs.shape[0], costs.shape[1], w.data_ptr(), alpha.data_ptr())
         return alpha
 
-    def water_fill_gram(self, gram, sq_r, sq_c, own, w, out, out_rows, cols, zeroed: bool = False):
+    def water_fill_gram(self, gram, sq_r, sq_c, own, w, out, out_rows, cols, fill: str = "block"):
         _check_gram_block(gram, sq_r, sq_c, own, w, out, out_rows, cols)
         gram = gram.contiguous()
         sq_r, sq_c, w = sq_r.to(_F64).contiguous(), sq_c.to(_F64).contiguous(), w.to(_F64).contiguous()
@@ -172,7 +172,7 @@ class NativeAdapter(Adapter):
         levels = torch.empty(gram.shape[0], dtype=_F64)
         self._core.water_fill_gram(gram.dtype is _F64, gram.data_ptr(), sq_r.data_ptr(), sq_c.data_ptr(), own.data_ptr(),
                                    gram.shape[0], gram.shape[1], w.data_ptr(), out.data_ptr(), out.stride(0),
-                                   out_rows.data_ptr(), cols.data_ptr(), bool(zeroed), levels.data_ptr())
+                                   out_rows.data_ptr(), cols.data_ptr(), _FILL[fill], levels.data_ptr())
         return levels
 
     def clip_and_sum(self, updates, weights, clip_norm: float, noise_std: float, seed: int, counter: int):
@@ -193,6 +193,12 @@ class NativeAdapter(Adapter):
         self._core.average(theta.dtype is _F64, theta.data_ptr(), M, d, weights.data_ptr(), _ptr(rows),
                            M if rows is None else rows.shape[0], out.data_ptr())
         return out
+
+
+# water_fill_gram's ``fill``: "block" writes every entry of the block; "positive": those entries are
+# 0 already, only the positive weights are written; "row": each output row is cleared first (out
+# may be uninitialized), then the positive weights written
+_FILL = {"block": 0, "positive": 1, "row": 2}
 
 
 def _check_gram_block(gram, sq_r, sq_c, own, w, out, out_rows, cols) -> None:

@@ -229,12 +229,12 @@ def water_fill(costs: torch.Tensor, w: torch.Tensor, candidates: int = 256) -> t
     return torch.sub(tau[:, None], costs).clamp_(min=0.0).mul_(w[None, :])  # one fresh [r, k]
 
 
-def water_fill_gram(gram, sq_r, sq_c, own, w, out, out_rows, cols, zeroed: bool = False) -> torch.Tensor:
+def water_fill_gram(gram, sq_r, sq_c, own, w, out, out_rows, cols, fill: str = "block") -> torch.Tensor:
     """``water_fill`` of the costs ``max(0, sq_r[i] + sq_c[j] − 2·gram[i, j])`` (``c[i, own[i]] = 0``),
     written to ``out[out_rows[i], cols[j]]`` (the rule of csrc/cpu/water_fill.cpp's
-    water_fill_gram); returns the rows' levels τ_i (α_{i,own} / w_own). ``zeroed`` (those entries
-    of out are 0 already: the native kernel then writes the positive weights only) changes
-    nothing here: every entry is written."""
+    water_fill_gram); returns the rows' levels τ_i (α_{i,own} / w_own). ``fill``: "block" and
+    "positive" (the block is 0 already: the native kernel then writes the positive weights only)
+    write every entry of the block here; "row" clears each output row first."""
     costs = (sq_r[:, None] + sq_c[None, :]).add_(gram.to(torch.float64), alpha=-2.0)
     if not bool(torch.isfinite(costs).all()):  # before the clamp, which would turn −inf into 0
         bad = int(torch.nonzero(~torch.isfinite(costs).all(dim=1))[0])
@@ -243,6 +243,8 @@ def water_fill_gram(gram, sq_r, sq_c, own, w, out, out_rows, cols, zeroed: bool 
     at = torch.arange(costs.shape[0], device=costs.device)
     costs[at, own] = 0.0
     alpha = water_fill(costs, w)
+    if fill == "row":
+        out[out_rows] = 0.0
     out[out_rows[:, None], cols[None, :]] = alpha
     return alpha[at, own] / w[own]
 
@@ -432,8 +434,8 @@ class ReferenceAdapter(Adapter):
     def water_fill(self, costs, w, candidates: int = 256):
         return water_fill(costs, w, candidates)
 
-    def water_fill_gram(self, gram, sq_r, sq_c, own, w, out, out_rows, cols, zeroed: bool = False):
-        return water_fill_gram(gram, sq_r, sq_c, own, w, out, out_rows, cols, zeroed)
+    def water_fill_gram(self, gram, sq_r, sq_c, own, w, out, out_rows, cols, fill: str = "block"):
+        return water_fill_gram(gram, sq_r, sq_c, own, w, out, out_rows, cols, fill)
 
     def clip_and_sum(self, updates, weights, clip_norm: float, noise_std: float, seed: int, counter: int):
         _values.clip_and_sum_fault(updates, weights)

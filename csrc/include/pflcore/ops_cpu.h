@@ -182,14 +182,16 @@ void water_fill(const double* costs /*[r, k]*/, int64_t r, int64_t k, const doub
 // The same from a block of a Gram matrix (perm.screened_weights): the costs of row i are
 // c_ij = max(0, sq_r[i] + sq_c[j] − 2·gram[i, j]) with c_{i, own[i]} = 0; α_ij is written to
 // out[out_rows[i]·out_stride + cols[j]] (the other entries of out untouched) and τ_i to levels[i].
-// zeroed: those entries of out hold 0 already, so only the positive α_ij are written (a row's
-// active columns, ~1 in 5 at m = 2,000: the scattered writes of its zeros were a third of the
-// kernel). Checks w and each row's costs (finite).
+// fill: 0 writes every entry of the block; 1: those entries of out hold 0 already, so only the
+// positive α_ij are written (a row's active columns, ~1 in 5 at m = 2,000: the scattered writes of
+// its zeros were a third of the kernel); 2: the whole output row (out_stride entries) is cleared
+// first, then the positive α_ij written (out need not be zeroed beforehand). Checks w and each
+// row's costs (finite).
 template <typename T>
 void water_fill_gram(const T* gram /*[r, k]*/, const double* sq_r /*[r]*/, const double* sq_c /*[k]*/,
                      const int64_t* own /*[r], in [0, k)*/, int64_t r, int64_t k, const double* w /*[k]*/,
                      double* out /*rows of out_stride*/, int64_t out_stride, const int64_t* out_rows /*[r]*/,
-                     const int64_t* cols /*[k], in [0, out_stride)*/, bool zeroed, double* levels /*[r]*/,
+                     const int64_t* cols /*[k], in [0, out_stride)*/, int fill, double* levels /*[r]*/,
                      Faults& faults);
 
 // Checks each client index and its offsets (as the GLM kernels do) before drawing its rows.
