@@ -563,6 +563,18 @@ def test_sym_products_equal_the_product(dtype):
         tol = dict(rtol=1e-5, atol=1e-5 * d) if dtype is torch.float32 else dict(rtol=1e-12, atol=1e-12 * d)
         torch.testing.assert_close(out.double(), want, **tol)
         assert torch.equal(out, out.T)
+    # OpenMP threads split the panels: bitwise the same at 1, 2 and 3 threads
+    Y = torch.randn(300, 250, generator=g, dtype=dtype)
+    threads, outs = torch.get_num_threads(), []
+    try:
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            out = torch.empty(300, 300, dtype=dtype)
+            core.sym_products(dtype is torch.float64, Y.data_ptr(), 300, 250, out.data_ptr())
+            outs.append(out)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
 
 
 def test_screened_weights_take_the_native_symmetric_products_where_they_serve(monkeypatch):

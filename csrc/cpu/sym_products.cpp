@@ -8,7 +8,8 @@
 // transposed ([d][NR], zero past n) and multiplied by blocks of MR rows i (broadcast), the
 // MR × NV accumulators in registers; only blocks with rows up to the panel's last column are
 // computed, then out[i, j] = out[j, i] below the diagonal (so the result is exactly symmetric).
-// One thread; nothing depends on the thread count.
+// OpenMP threads split the panels, then the mirror; every entry is one thread's fixed-order sum, so
+// nothing depends on the thread count.
 #include <algorithm>
 #include <cstring>
 #include <vector>
@@ -89,27 +90,35 @@ void sym_products(const T* Y, int64_t n, int64_t d, T* out) {
   using S = Sym<T>;
   constexpr int NR = S::NR, MR = S::MR;
   if (n <= 0) return;
-  std::vector<T> panel(static_cast<size_t>(d * NR));
-  for (int64_t j0 = 0; j0 < n; j0 += NR) {
-    const int64_t nj = std::min<int64_t>(NR, n - j0);
-    for (int64_t c = 0; c < NR; ++c) {  // panel[k][c] = Y[j0 + c, k], zero past n
-      T* col = panel.data() + c;
-      if (c < nj) {
-        const T* row = Y + (j0 + c) * d;
-        for (int64_t k = 0; k < d; ++k) col[k * NR] = row[k];
-      } else {
-        for (int64_t k = 0; k < d; ++k) col[k * NR] = T(0);
-      }
-    }
-    for (int64_t i0 = 0; i0 < std::min(n, j0 + NR); i0 += MR) S::block(Y, n, d, panel.data(), i0, j0, nj, out);
-  }
-  // below the diagonal: the transposes, in 32 x 32 tiles (every entry read there was computed: row
-  // j's block starts at or before j < i, within the panel of column i)
+  const int64_t panels = (n + NR - 1) / NR;
   constexpr int64_t kTile = 32;
-  for (int64_t ib = 0; ib < n; ib += kTile)
-    for (int64_t jb = 0; jb <= ib; jb += kTile)
-      for (int64_t i = ib; i < std::min(n, ib + kTile); ++i)
-        for (int64_t j = jb; j < std::min(i, jb + kTile); ++j) out[i * n + j] = out[j * n + i];
+  // panels split between the threads (the later ones hold more row blocks: dynamic), then the
+  // mirror by rows of tiles; an entry is computed by one thread in a fixed order either way
+#pragma omp parallel if (n * n * d > (int64_t(1) << 22))
+  {
+    std::vector<T> panel(static_cast<size_t>(d * NR));
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t pj = 0; pj < panels; ++pj) {
+      const int64_t j0 = pj * NR, nj = std::min<int64_t>(NR, n - j0);
+      for (int64_t c = 0; c < NR; ++c) {  // panel[k][c] = Y[j0 + c, k], zero past n
+        T* col = panel.data() + c;
+        if (c < nj) {
+          const T* row = Y + (j0 + c) * d;
+          for (int64_t k = 0; k < d; ++k) col[k * NR] = row[k];
+        } else {
+          for (int64_t k = 0; k < d; ++k) col[k * NR] = T(0);
+        }
+      }
+      for (int64_t i0 = 0; i0 < std::min(n, j0 + NR); i0 += MR) S::block(Y, n, d, panel.data(), i0, j0, nj, out);
+    }
+    // below the diagonal: the transposes, in 32 x 32 tiles (every entry read there was computed:
+    // row j's block starts at or before j < i, within the panel of column i)
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t ib = 0; ib < n; ib += kTile)
+      for (int64_t jb = 0; jb <= ib; jb += kTile)
+        for (int64_t i = ib; i < std::min(n, ib + kTile); ++i)
+          for (int64_t j = jb; j < std::min(i, jb + kTile); ++j) out[i * n + j] = out[j * n + i];
+  }
 }
 
 template void sym_products<float>(const float*, int64_t, int64_t, float*);

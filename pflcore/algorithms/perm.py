@@ -32,7 +32,6 @@ from __future__ import annotations
 import functools
 import math
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional
 
@@ -202,10 +201,9 @@ def screened_weights(G: torch.Tensor, sizes: torch.Tensor, lam_alpha: float, row
     Threads: every op runs on one thread (torch's intra-op threads set to 1 for the call): its
     work is many medium-sized ops, and with 2 threads each on a 2-core machine shared with other
     processes they took 1.18 s where one thread took 0.17 s (m = 2,000, bench/server_steps.py).
-    The groups are independent (each writes its own rows of the output), so with torch set to
-    t > 1 threads up to t groups are solved at once, one per worker thread, each on one thread:
-    every group's arithmetic is the same whichever thread runs it, so the result is bitwise
-    the same at any thread count.
+    The groups are solved one after another, each with torch's t threads (the products and the
+    kernel split a group's rows between them; every entry's arithmetic is the same whichever
+    thread computes it, so the result is bitwise the same at any thread count).
 
     Returns float64 ``[r, m]`` (the rows ``rows``)."""
     threads = torch.get_num_threads()
@@ -315,35 +313,36 @@ def _screened_weights(G: torch.Tensor, sizes: torch.Tensor, lam_alpha: float, ro
         adapter.water_fill_gram(_gram(Gc, gi, some, sym), sq[gi], sq if every else sq[cols], own, w_cols, out, r_idx,
                                 cols, fill="block" if again else "row")
 
-    workers = max(1, min(int(workers), len(tasks)))
-    if workers == 1:
+    # the groups one after another, each on every thread (its products and water-filling split
+    # their rows between the OpenMP threads): the threads of the gradients' pass just before are
+    # still spinning in libgomp, and worker threads of our own competed with them (~3 ms of a ~17 ms
+    # α at m = 2,000, 2 threads)
+    torch.set_num_threads(workers)
+    try:
         for r_idx, cols in tasks:
             solve(r_idx, cols)
-    else:  # the largest groups first; each worker runs its ops (torch's, MKL's, the kernel's) on one thread
-        tasks.sort(key=lambda t: -t[0].numel() * t[1].numel())
-
-        def one_thread(task):
-            torch.set_num_threads(1)  # this worker's OpenMP threads (the kernel's) and MKL's: 1
-            solve(*task)
-
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            list(pool.map(one_thread, tasks))
+    finally:
+        torch.set_num_threads(1)
     return out
 
 
 def _shifted_gram32(G32: torch.Tensor, rows: torch.Tensor, cols: Optional[torch.Tensor], sym=None):
     """The float32 products ``[r, k]`` of ``G32[rows]`` and ``G32[cols]`` (``cols`` None: every
-    row) shifted by the columns' mean, the shifted rows' and columns' squared norms (float64
-    sums), and the columns' mean squared norm (the scale of the products' rounding). Any common
-    shift leaves the distances ‖y_i‖² + ‖y_j‖² − 2y_i·y_j as they are, even a rounded one; this
-    one makes the norms small (their mean is half the columns' mean pairwise distance). The
-    shift in float32 rounds as a cast of the float64 difference would."""
+    row) shifted by the columns' mean, the shifted rows' and columns' squared norms, and the
+    columns' mean squared norm (the scale of the products' rounding). Any common shift leaves the
+    distances ‖y_i‖² + ‖y_j‖² − 2y_i·y_j as they are, even a rounded one (so the mean is taken in
+    float32); this one makes the norms small (their mean is half the columns' mean pairwise
+    distance). Where the rows are the columns, the squared norms are the products' diagonal: the
+    same sums as the products (so a row's cost to itself is 0 before the clamp, and the rounding
+    of the norms and of the products is alike); otherwise float64 sums."""
     C = G32 if cols is None else G32.index_select(0, cols)
-    mu = C.mean(dim=0, dtype=torch.float64).to(torch.float32)
+    mu = C.mean(dim=0)
     Yc = C - mu if cols is None else C.sub_(mu)
-    sq_c = (Yc * Yc).sum(dim=1, dtype=torch.float64)
     if _same_clients(rows, cols, G32.shape[0]):
-        return _products(Yc, Yc, sym), sq_c, sq_c, float(sq_c.mean())
+        gram = _products(Yc, Yc, sym)
+        sq_c = gram.diagonal().to(torch.float64)
+        return gram, sq_c, sq_c, float(sq_c.mean())
+    sq_c = (Yc * Yc).sum(dim=1, dtype=torch.float64)
     Yr = G32.index_select(0, rows).sub_(mu)
     return _products(Yr, Yc), (Yr * Yr).sum(dim=1, dtype=torch.float64), sq_c, float(sq_c.mean())
 

@@ -171,7 +171,7 @@ void cnn_dense_logits(const T* feats /*[G, n, dims[0]]*/, int64_t G, int64_t n, 
                       const T* const* b /*[layers]*/, int64_t theta_model, T* logits /*[G, n, dims[layers]]*/);
 
 // out = Y Yᵀ (csrc/cpu/sym_products.cpp): the upper block triangle computed, the rest mirrored
-// (exactly symmetric). One thread.
+// (exactly symmetric). OpenMP threads split the panels; the bits do not depend on their number.
 template <typename T>
 void sym_products(const T* Y /*[n, d]*/, int64_t n, int64_t d, T* out /*[n, n]*/);
 
