@@ -307,3 +307,12 @@ def test_dense_logits_equal_the_reference_and_the_gradients_forward(dims, c, n, 
     got = NATIVE.dense_logits(feats, layers)
     assert got.shape == (c, n, dims[-1])
     torch.testing.assert_close(got, REF.dense_logits(feats, layers), **TOL[dtype])
+
+
+def test_dense_layers_native_only_on_wide_vector_levels():
+    """A chunk's dense layers take the native kernels on the avx2 and avx512 levels (faster than
+    torch's bmm there) and torch's bmm on the baseline level (128-bit vectors: slower)."""
+    from pflcore import backend
+    chosen = cnn_native._dense_ops(NATIVE)
+    assert (chosen is NATIVE) == (backend.cpu_capability() in ("avx2", "avx512"))
+    assert cnn_native._dense_ops(REF) is REF

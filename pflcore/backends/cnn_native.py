@@ -276,6 +276,26 @@ class TorchOps:
         dzv.scatter_(2, at, torch.where(hv > 0, dav, dzv.gather(2, at)))
 
 
+_TORCH_DENSE = TorchOps()
+
+# CPU capability levels whose dense-layer kernels (csrc/cpu/cnn_dense.cpp) beat torch's bmm: 256- and
+# 512-bit vectors (CIFAR head, 7 models, 1 thread, AMD Zen 5: avx512 171 GFLOP/s, avx2 80, torch's
+# bmm path 66-70; the baseline level's 128-bit vectors 40, slower than torch, as NEON would be)
+_WIDE_LEVELS = ("avx2", "avx512")
+
+
+def _dense_ops(ops):
+    """Who runs a chunk's dense layers: ``ops`` where they are the native kernels on a level with
+    wide vectors, else torch's ``bmm`` (``TorchOps``; the same layout and math)."""
+    if isinstance(ops, NativeOps):
+        from pflcore import backend
+        level = backend.cpu_capability()
+        if level in _WIDE_LEVELS or (level == "native" and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")):
+            return ops
+        return _TORCH_DENSE
+    return ops
+
+
 @functools.lru_cache(maxsize=None)
 def native_ops() -> Optional[NativeOps]:
     """The native operations when the native module has them, else None (resolved once)."""
@@ -345,7 +365,7 @@ class CNNChunk(cnn_im2col.ChunkHead):
         if keep:
             return self._dense_forward(*self._conv_forward(x, keep, rows_major=False), keep)
         feats, _ = self._conv_forward(x, False, rows_major=True)
-        return self.ops.dense_logits(feats, self.fc).transpose(1, 2)  # the dense layers in one call
+        return _dense_ops(self.ops).dense_logits(feats, self.fc).transpose(1, 2)  # the dense layers in one call
 
     def _conv_forward(self, x: torch.Tensor, keep: bool, rows_major: bool):
         """The conv layers: (the features, the layers' saved state (``keep``: else empty)); the
@@ -378,7 +398,7 @@ class CNNChunk(cnn_im2col.ChunkHead):
         names, nconv = self.names, len(self.geo)
         grads = [(out[names[2 * (nconv + j)]], out[names[2 * (nconv + j) + 1]]) for j in range(len(self.fc))]
         dfeats = torch.empty_like(feats)
-        self.ops.dense_grad(feats, y.contiguous(), w.to(feats.dtype).contiguous(), self.fc, grads, dfeats)
+        _dense_ops(self.ops).dense_grad(feats, y.contiguous(), w.to(feats.dtype).contiguous(), self.fc, grads, dfeats)
         da = dfeats.view(-1)
         N, ops, names = c * n, self.ops, self.names
         nconv = len(self.geo)
