@@ -447,12 +447,15 @@ PYBIND11_MODULE(_core, m) {
     if (f64) run(double{}); else run(float{});
   });
   // The dense layers' forward and backward of a chunk of CNN models (csrc/cpu/cnn_dense.cpp); the
-  // layers' parameter and gradient pointers are model 0's, the models theta_model / grad_model apart.
+  // layers' parameter and gradient pointers are model 0's; theta_model / grad_model: each tensor's
+  // model stride (W then b per layer).
   m.def("cnn_dense_grad", [](bool f64, ptr_t feats, int64_t G, int64_t n, std::vector<int64_t> dims,
-                             std::vector<ptr_t> W, std::vector<ptr_t> b, int64_t theta_model, ptr_t y, ptr_t w,
-                             std::vector<ptr_t> gW, std::vector<ptr_t> gb, int64_t grad_model, ptr_t dfeats) {
+                             std::vector<ptr_t> W, std::vector<ptr_t> b, std::vector<int64_t> theta_model, ptr_t y,
+                             ptr_t w, std::vector<ptr_t> gW, std::vector<ptr_t> gb, std::vector<int64_t> grad_model,
+                             ptr_t dfeats) {
     const size_t L = W.size();
-    require(L >= 1 && dims.size() == L + 1 && b.size() == L && gW.size() == L && gb.size() == L && G >= 0 && n >= 1,
+    require(L >= 1 && dims.size() == L + 1 && b.size() == L && gW.size() == L && gb.size() == L && G >= 0 && n >= 1 &&
+                theta_model.size() == 2 * L && grad_model.size() == 2 * L,
             "cnn_dense_grad", "expected layers >= 1 with len(dims) = layers + 1 pointers per layer, G >= 0, n >= 1");
     for (int64_t v : dims) require(v >= 1, "cnn_dense_grad", "expected every layer width >= 1");
     {  // the labels index the logits: a bad one would write past them
@@ -472,15 +475,17 @@ PYBIND11_MODULE(_core, m) {
         gWp[l] = as<T>(gW[l]), gbp[l] = as<T>(gb[l]);
       }
       cpu::active().cnn_dense_grad.of<T>()(as<const T>(feats), G, n, int64_t(L), dims.data(), Wp.data(), bp.data(),
-                                           theta_model, as<const int64_t>(y), as<const T>(w), gWp.data(), gbp.data(),
-                                           grad_model, as<T>(dfeats));
+                                           theta_model.data(), as<const int64_t>(y), as<const T>(w), gWp.data(),
+                                           gbp.data(), grad_model.data(), as<T>(dfeats));
     };
     if (f64) run(double{}); else run(float{});
   });
   m.def("cnn_dense_logits", [](bool f64, ptr_t feats, int64_t G, int64_t n, std::vector<int64_t> dims,
-                               std::vector<ptr_t> W, std::vector<ptr_t> b, int64_t theta_model, ptr_t logits) {
+                               std::vector<ptr_t> W, std::vector<ptr_t> b, std::vector<int64_t> theta_model,
+                               ptr_t logits) {
     const size_t L = W.size();
-    require(L >= 1 && dims.size() == L + 1 && b.size() == L && G >= 0 && n >= 1, "cnn_dense_logits",
+    require(L >= 1 && dims.size() == L + 1 && b.size() == L && G >= 0 && n >= 1 && theta_model.size() == 2 * L,
+            "cnn_dense_logits",
             "expected layers >= 1 with len(dims) = layers + 1 pointers per layer, G >= 0, n >= 1");
     for (int64_t v : dims) require(v >= 1, "cnn_dense_logits", "expected every layer width >= 1");
     py::gil_scoped_release nogil;
@@ -489,7 +494,7 @@ PYBIND11_MODULE(_core, m) {
       std::vector<const T*> Wp(L), bp(L);
       for (size_t l = 0; l < L; ++l) Wp[l] = as<const T>(W[l]), bp[l] = as<const T>(b[l]);
       cpu::active().cnn_dense_logits.of<T>()(as<const T>(feats), G, n, int64_t(L), dims.data(), Wp.data(), bp.data(),
-                                             theta_model, as<T>(logits));
+                                             theta_model.data(), as<T>(logits));
     };
     if (f64) run(double{}); else run(float{});
   });

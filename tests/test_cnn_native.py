@@ -316,3 +316,29 @@ def test_dense_layers_native_only_on_wide_vector_levels():
     chosen = cnn_native._dense_ops(NATIVE)
     assert (chosen is NATIVE) == (backend.cpu_capability() in ("avx2", "avx512"))
     assert cnn_native._dense_ops(REF) is REF
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dense_layers_with_separate_tensors(dtype):
+    """Each weight, bias and gradient tensor its own model stride (separate tensors, not rows of
+    one theta): the kernels take every tensor's stride."""
+    g = _gen(3)
+    c, n, dims = 3, 5, (23, 9, 4)
+    layers = [(torch.randn(c, dims[i + 1], dims[i], generator=g, dtype=dtype),
+               torch.randn(c, dims[i + 1] + 2, generator=g, dtype=dtype)[:, 1:1 + dims[i + 1]]) for i in range(2)]
+    feats = torch.randn(c, n, dims[0], generator=g, dtype=dtype).abs_()
+    y = torch.randint(0, dims[-1], (c, n), generator=g)
+    w = torch.rand(c, n, generator=g, dtype=dtype)
+    outs = []
+    for ops in (NATIVE, REF):
+        grads = [(torch.zeros(c, dims[i + 1], dims[i], dtype=dtype), torch.zeros(c, 5, dims[i + 1], dtype=dtype)[:, 2])
+                 for i in range(2)]
+        dfeats = torch.empty_like(feats)
+        ops.dense_grad(feats, y, w, layers, grads, dfeats)
+        outs.append((grads, dfeats, ops.dense_logits(feats, layers)))
+    (g_n, d_n, z_n), (g_r, d_r, z_r) = outs
+    for (a, b), (c_, d) in zip(g_n, g_r):
+        torch.testing.assert_close(a, c_, **TOL[dtype])
+        torch.testing.assert_close(b, d, **TOL[dtype])
+    torch.testing.assert_close(d_n, d_r, **TOL[dtype])
+    torch.testing.assert_close(z_n, z_r, **TOL[dtype])

@@ -239,8 +239,8 @@ struct Dense {
 
 template <typename T>
 void cnn_dense_grad(const T* feats, int64_t G, int64_t n, int64_t Lyr, const int64_t* dims, const T* const* W,
-                    const T* const* b, int64_t theta_model, const int64_t* y, const T* wts, T* const* gW,
-                    T* const* gb, int64_t grad_model, T* dfeats) {
+                    const T* const* b, const int64_t* theta_model, const int64_t* y, const T* wts,
+                    T* const* gW, T* const* gb, const int64_t* grad_model, T* dfeats) {
   using D = Dense<T>;
   // a model's activations h_1 .. h_L (h_L: logits, then dz_L) and two gradient buffers
   int64_t act = 0, widest = 0;
@@ -256,8 +256,8 @@ void cnn_dense_grad(const T* feats, int64_t G, int64_t n, int64_t Lyr, const int
     auto h = [&](int64_t l) -> T* { return acts.data() + at[size_t(l)]; };  // h_l, l >= 1
     auto input = [&](int64_t l) -> const T* { return l == 1 ? h0 : h(l - 1); };  // h_{l−1}
     for (int64_t l = 1; l <= Lyr; ++l)
-      D::dots(input(l), n, dims[l - 1], W[l - 1] + g * theta_model, b[l - 1] + g * theta_model, dims[l], l < Lyr,
-              h(l));
+      D::dots(input(l), n, dims[l - 1], W[l - 1] + g * theta_model[2 * (l - 1)],
+              b[l - 1] + g * theta_model[2 * (l - 1) + 1], dims[l], l < Lyr, h(l));
     // dz_L = w_r·(softmax(z_r) − e_{y_r})
     T* d = dz.data();
     const T* z = h(Lyr);
@@ -278,14 +278,14 @@ void cnn_dense_grad(const T* feats, int64_t G, int64_t n, int64_t Lyr, const int
       const int64_t M = dims[l], K = dims[l - 1];
       const T* hin = input(l);
       // gW_l [M, K] = Σ_r dz[r, o]·h_{l−1}[r, k]; gb_l[o] = Σ_r dz[r, o]
-      D::outer(d, 1, M, M, n, hin, K, nullptr, gW[l - 1] + g * grad_model);
-      T* gbl = gb[l - 1] + g * grad_model;  // (rows in order for every o: vectorized over o)
+      D::outer(d, 1, M, M, n, hin, K, nullptr, gW[l - 1] + g * grad_model[2 * (l - 1)]);
+      T* gbl = gb[l - 1] + g * grad_model[2 * (l - 1) + 1];  // (rows in order for every o: vectorized over o)
       std::fill(gbl, gbl + M, T(0));
       for (int64_t r = 0; r < n; ++r)
         for (int64_t o = 0; o < M; ++o) gbl[o] += d[r * M + o];
       // dh_{l−1} [n, K] = Σ_o dz[r, o]·W_l[o, k], through h_{l−1}'s ReLU below the first layer
       T* target = l == 1 ? dfeats + g * n * F : dh.data();
-      D::outer(d, M, 1, n, M, W[l - 1] + g * theta_model, K, l == 1 ? nullptr : hin, target);
+      D::outer(d, M, 1, n, M, W[l - 1] + g * theta_model[2 * (l - 1)], K, l == 1 ? nullptr : hin, target);
       if (l > 1) std::copy(dh.begin(), dh.begin() + n * K, dz.begin());
     }
   }
@@ -293,7 +293,7 @@ void cnn_dense_grad(const T* feats, int64_t G, int64_t n, int64_t Lyr, const int
 
 template <typename T>
 void cnn_dense_logits(const T* feats, int64_t G, int64_t n, int64_t Lyr, const int64_t* dims, const T* const* W,
-                      const T* const* b, int64_t theta_model, T* logits) {
+                      const T* const* b, const int64_t* theta_model, T* logits) {
   using D = Dense<T>;
   int64_t widest = 0;
   for (int64_t l = 1; l < Lyr; ++l) widest = std::max(widest, dims[l]);
@@ -303,22 +303,23 @@ void cnn_dense_logits(const T* feats, int64_t G, int64_t n, int64_t Lyr, const i
     const T* in = feats + g * n * F;
     for (int64_t l = 1; l <= Lyr; ++l) {
       T* o = l == Lyr ? logits + g * n * C : h.data() + ((l - 1) % 2) * n * widest;
-      D::dots(in, n, dims[l - 1], W[l - 1] + g * theta_model, b[l - 1] + g * theta_model, dims[l], l < Lyr, o);
+      D::dots(in, n, dims[l - 1], W[l - 1] + g * theta_model[2 * (l - 1)], b[l - 1] + g * theta_model[2 * (l - 1) + 1],
+              dims[l], l < Lyr, o);
       in = o;
     }
   }
 }
 
 template void cnn_dense_logits<float>(const float*, int64_t, int64_t, int64_t, const int64_t*, const float* const*,
-                                      const float* const*, int64_t, float*);
+                                      const float* const*, const int64_t*, float*);
 template void cnn_dense_logits<double>(const double*, int64_t, int64_t, int64_t, const int64_t*,
-                                       const double* const*, const double* const*, int64_t, double*);
+                                       const double* const*, const double* const*, const int64_t*, double*);
 template void cnn_dense_grad<float>(const float*, int64_t, int64_t, int64_t, const int64_t*, const float* const*,
-                                    const float* const*, int64_t, const int64_t*, const float*, float* const*,
-                                    float* const*, int64_t, float*);
+                                    const float* const*, const int64_t*, const int64_t*, const float*, float* const*,
+                                    float* const*, const int64_t*, float*);
 template void cnn_dense_grad<double>(const double*, int64_t, int64_t, int64_t, const int64_t*, const double* const*,
-                                     const double* const*, int64_t, const int64_t*, const double*, double* const*,
-                                     double* const*, int64_t, double*);
+                                     const double* const*, const int64_t*, const int64_t*, const double*,
+                                     double* const*, double* const*, const int64_t*, double*);
 
 PFLCORE_LEVEL_END
 }  // namespace pflcore::cpu

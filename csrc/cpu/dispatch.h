@@ -73,11 +73,11 @@ using CnnPoolBackFn = void (*)(const T*, const T*, int64_t, int64_t, int64_t, in
 
 template <typename T>
 using CnnDenseGradFn = void (*)(const T*, int64_t, int64_t, int64_t, const int64_t*, const T* const*, const T* const*,
-                                int64_t, const int64_t*, const T*, T* const*, T* const*, int64_t, T*);
+                                const int64_t*, const int64_t*, const T*, T* const*, T* const*, const int64_t*, T*);
 
 template <typename T>
 using CnnDenseLogitsFn = void (*)(const T*, int64_t, int64_t, int64_t, const int64_t*, const T* const*,
-                                  const T* const*, int64_t, T*);
+                                  const T* const*, const int64_t*, T*);
 
 template <typename T>
 using SymProductsFn = void (*)(const T*, int64_t, int64_t, T*);

@@ -20,9 +20,11 @@ Layout (N = c·n images, image i = g·n + r is row r of model g):
   first maximal input of the window where the pooled value is > 0, as the module's) writes the
   next layer's input planes in place (``conv_pool_relu``: the conv, then the pooling, image by
   image, so z is never a buffer of every image's planes), or, after the last conv layer, the
-  flattened features
-  ``[c, C·H·W, n]`` (the module's flatten order, rows last) of ``cnn_im2col.ChunkHead``'s dense
-  layers.
+  flattened features ``[c, n, C·H·W]`` (the module's flatten order, a row per image) of the dense
+  layers, which run in one call per chunk (``dense_grad`` / ``dense_logits``:
+  ``csrc/cpu/cnn_dense.cpp`` on the avx2 and avx512 levels, torch's ``bmm`` elsewhere); the
+  features ``[c, C·H·W, n]`` of ``cnn_im2col.ChunkHead``'s dense layers where a caller asks to keep
+  the forward's state without the gradient (``logits_t(keep=True)``).
 * Backward (``conv_backward``, one layer, model by model: a model's dz stays in L2): the pooled
   gradient goes into ``dz [n, Cout, Lz]`` (zeros elsewhere, the garbage columns included); the
   weight gradient is ``shifted_corr(dz, input)``, written straight into the rows of the
@@ -163,26 +165,48 @@ class NativeOps:
         models any one stride apart: rows of theta and of the gradient)."""
         c, n, _ = feats.shape
         dims = [layers[0][0].shape[2]] + [W.shape[1] for W, _ in layers]
-        y = y.to(torch.int64).contiguous()  # (held here: the kernel reads it through a pointer)
+        _check_dense_views(feats, layers, grads, dfeats)
+        y = y.to(torch.int64).contiguous()  # (held here: the kernel reads them through pointers)
+        w = w.to(feats.dtype).contiguous()
         self.core.cnn_dense_grad(feats.dtype is torch.float64, feats.data_ptr(), c, n, dims,
                                  [W.data_ptr() for W, _ in layers], [b.data_ptr() for _, b in layers],
-                                 layers[0][0].stride(0), y.data_ptr(), w.data_ptr(),
-                                 [g.data_ptr() for g, _ in grads], [g.data_ptr() for _, g in grads], grads[0][0].stride(0),
+                                 _model_strides(layers), y.data_ptr(), w.data_ptr(),
+                                 [g.data_ptr() for g, _ in grads], [g.data_ptr() for _, g in grads], _model_strides(grads),
                                  dfeats.data_ptr())
 
     def dense_logits(self, feats, layers):
         """The dense layers' forward alone (``TorchOps.dense_logits``)."""
         c, n, _ = feats.shape
         dims = [layers[0][0].shape[2]] + [W.shape[1] for W, _ in layers]
+        _check_dense_views(feats, layers, [], None)
         logits = feats.new_empty(c, n, dims[-1])
         self.core.cnn_dense_logits(feats.dtype is torch.float64, feats.data_ptr(), c, n, dims,
                                    [W.data_ptr() for W, _ in layers], [b.data_ptr() for _, b in layers],
-                                   layers[0][0].stride(0), logits.data_ptr())
+                                   _model_strides(layers), logits.data_ptr())
         return logits
 
     def pool_relu_backward(self, da, h, N, C, h2, w2, n, in_group, in_img, s_c, s_y, s_x, idx, dz, dz_row):
         self.core.cnn_pool_relu_backward(da.dtype is torch.float64, da.data_ptr(), h.data_ptr(), N, C, h2, w2, n,
                                          in_group, in_img, s_c, s_y, s_x, idx.data_ptr(), dz.data_ptr(), dz_row)
+
+
+def _model_strides(pairs) -> List[int]:
+    """Each tensor's model stride, W then b per layer (the kernels' theta_model / grad_model)."""
+    return [s for W, b in pairs for s in (W.stride(0), b.stride(0))]
+
+
+def _check_dense_views(feats, layers, grads, dfeats) -> None:
+    """What the dense kernels assume of their buffers (they read and write through pointers):
+    contiguous ``[c, n, F]`` features, each layer's ``[c, out, in]`` / ``[c, out]`` blocks
+    contiguous within a model (the models any stride apart: rows of theta, of the gradient), the
+    features' dtype."""
+    if not feats.is_contiguous() or (dfeats is not None and (not dfeats.is_contiguous() or dfeats.shape != feats.shape)):
+        raise ValueError("dense layers: expected contiguous [c, n, F] features and feature gradients")
+    for W, b in list(layers) + list(grads):
+        if W.stride()[1:] != (W.shape[2], 1) or b.stride(1) != 1 or W.dtype is not feats.dtype \
+                or b.dtype is not feats.dtype:
+            raise ValueError(f"dense layers: expected [c, out, in] blocks contiguous within a model and the features' "
+                             f"dtype, got strides {W.stride()} / {b.stride()}, {W.dtype}")
 
 
 class TorchOps:

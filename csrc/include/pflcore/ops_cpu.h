@@ -155,20 +155,23 @@ void cnn_pool_relu_backward(const T* da, const T* h, int64_t N, int64_t C, int64
                             const int32_t* idx, T* dz, int64_t dz_row);
 // The dense layers of G CNN models on their n rows each (csrc/cpu/cnn_dense.cpp): forward from
 // the features, the gradient of Σ_r w_r·ce_r into each layer's weight and bias gradient (model g's
-// layer l at gW[l] + g·grad_model, gb[l] + g·grad_model) and the gradient at the features. Layer l
-// maps dims[l] → dims[l + 1] with W[l] [dims[l + 1], dims[l]] (model g's at W[l] + g·theta_model),
+// layer l at gW[l] + g·grad_model[2l], gb[l] + g·grad_model[2l + 1]) and the gradient at the
+// features. Layer l maps dims[l] → dims[l + 1] with W[l] [dims[l + 1], dims[l]] (model g's at
+// W[l] + g·theta_model[2l], its bias at b[l] + g·theta_model[2l + 1]),
 // ReLU after every layer but the last. Labels are trusted (the caller checked them).
 template <typename T>
 void cnn_dense_grad(const T* feats /*[G, n, dims[0]]*/, int64_t G, int64_t n, int64_t layers,
                     const int64_t* dims /*[layers + 1]*/, const T* const* W /*[layers]*/,
-                    const T* const* b /*[layers]*/, int64_t theta_model, const int64_t* y /*[G, n]*/,
-                    const T* w /*[G, n]*/, T* const* gW /*[layers]*/, T* const* gb /*[layers]*/, int64_t grad_model,
+                    const T* const* b /*[layers]*/, const int64_t* theta_model /*[2·layers]*/,
+                    const int64_t* y /*[G, n]*/, const T* w /*[G, n]*/, T* const* gW /*[layers]*/,
+                    T* const* gb /*[layers]*/, const int64_t* grad_model /*[2·layers]*/,
                     T* dfeats /*[G, n, dims[0]]*/);
 // Its forward alone: the logits [G, n, dims[layers]] of every model's rows.
 template <typename T>
 void cnn_dense_logits(const T* feats /*[G, n, dims[0]]*/, int64_t G, int64_t n, int64_t layers,
                       const int64_t* dims /*[layers + 1]*/, const T* const* W /*[layers]*/,
-                      const T* const* b /*[layers]*/, int64_t theta_model, T* logits /*[G, n, dims[layers]]*/);
+                      const T* const* b /*[layers]*/, const int64_t* theta_model /*[2·layers]*/,
+                      T* logits /*[G, n, dims[layers]]*/);
 
 // out = Y Yᵀ (csrc/cpu/sym_products.cpp): the upper block triangle computed, the rest mirrored
 // (exactly symmetric). OpenMP threads split the panels; the bits do not depend on their number.
