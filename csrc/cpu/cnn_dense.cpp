@@ -21,40 +21,24 @@
 
 #include "lane_sums.h"
 #include "pflcore/ops_cpu.h"
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 namespace pflcore::cpu {
 PFLCORE_LEVEL_BEGIN
 
 namespace {
 
-#if defined(__AVX512F__)
-constexpr int kVecBytes = 64, kVecRegs = 32;
-#elif defined(__AVX__)
-constexpr int kVecBytes = 32, kVecRegs = 16;
-#else
-constexpr int kVecBytes = 16, kVecRegs = 16;
-#endif
-
-// (a class template: a vector_size typedef inside a function template whose size depends on a
-// template argument loses the attribute in GCC)
 template <typename T>
-struct Dense {
-  typedef T V __attribute__((vector_size(kVecBytes)));
-  static constexpr int L = kVecBytes / int(sizeof(T));
-  // dots block: RO outputs × RR rows of accumulators; outer block: RA rows of the output × NB vectors
-  static constexpr int RO = kVecRegs >= 32 ? 4 : 2, RR = 5;
-  static constexpr int RA = kVecRegs >= 32 ? 4 : 2, NB = kVecRegs >= 32 ? 6 : 5;
+struct Dense : simd::Vec<T> {
+  using typename simd::Vec<T>::V;
+  using simd::Vec<T>::L;
+  using simd::Vec<T>::load;
+  using simd::Vec<T>::store;
+  // dots block without AVX-512 (16 registers): RO outputs × RR rows of accumulators (the AVX-512
+  // dots take 4 × 4 below); outer block: RA rows of the output × NB vectors
+  static constexpr int RO = 2, RR = 5;
+  static constexpr int RA = simd::kRegs >= 32 ? 4 : 2, NB = simd::kRegs >= 32 ? 6 : 5;
 
-  static V load(const T* p) {
-    V v;
-    std::memcpy(&v, p, sizeof v);
-    return v;
-  }
-  static void store(T* p, const V& v) { std::memcpy(p, &v, sizeof v); }
   static T hsum(const V& v) {  // by halves
     T h[L];
     std::memcpy(h, &v, sizeof v);
@@ -73,18 +57,6 @@ struct Dense {
     constexpr int B4 = 4;
     const int64_t KV = K / L * L;
     const int tail = int(K - KV);
-    const __mmask16 m = __mmask16((1u << tail) - 1u);
-    auto load_tail = [&](const T* p) {
-      V v;
-      if constexpr (sizeof(T) == 4) {
-        const __m512 t = _mm512_maskz_loadu_ps(m, p);
-        std::memcpy(&v, &t, sizeof v);
-      } else {
-        const __m512d t = _mm512_maskz_loadu_pd(__mmask8(m), p);
-        std::memcpy(&v, &t, sizeof v);
-      }
-      return v;
-    };
     alignas(64) T sums[B4 * B4];
     // outputs outside, rows inside: a block of W's rows is read from L2 once and reused from L1 by
     // every block of rows (x, n rows of K, stays in L1 at the nets' sizes; rows outside read all of
@@ -107,9 +79,9 @@ struct Dense {
         }
         if (tail) {
           V wv[B4];
-          for (int q = 0; q < B4; ++q) wv[q] = load_tail(wr[q] + KV);
+          for (int q = 0; q < B4; ++q) wv[q] = Dense::load_first(wr[q] + KV, tail);
           for (int p = 0; p < B4; ++p) {
-            const V xv = load_tail(xr[p] + KV);
+            const V xv = Dense::load_first(xr[p] + KV, tail);
             for (int q = 0; q < B4; ++q) acc[q * B4 + p] += wv[q] * xv;
           }
         }
@@ -158,18 +130,7 @@ struct Dense {
                           int64_t k0, const T* mask, T* out) {
     auto get = [&](const T* p) {
 #if defined(__AVX512F__)
-      if constexpr (kTail) {
-        const int tail = int(K - k0);
-        V v;
-        if constexpr (sizeof(T) == 4) {
-          const __m512 t = _mm512_maskz_loadu_ps(__mmask16((1u << tail) - 1u), p);
-          std::memcpy(&v, &t, sizeof v);
-        } else {
-          const __m512d t = _mm512_maskz_loadu_pd(__mmask8((1u << tail) - 1u), p);
-          std::memcpy(&v, &t, sizeof v);
-        }
-        return v;
-      }
+      if constexpr (kTail) return Dense::load_first(p, int(K - k0));
 #endif
       return load(p);
     };
@@ -196,16 +157,7 @@ struct Dense {
         }
 #if defined(__AVX512F__)
         if constexpr (kTail) {
-          const int tail = int(K - k0);
-          if constexpr (sizeof(T) == 4) {
-            __m512 t;
-            std::memcpy(&t, &s, sizeof t);
-            _mm512_mask_storeu_ps(o, __mmask16((1u << tail) - 1u), t);
-          } else {
-            __m512d t;
-            std::memcpy(&t, &s, sizeof t);
-            _mm512_mask_storeu_pd(o, __mmask8((1u << tail) - 1u), t);
-          }
+          Dense::store_first(o, s, int(K - k0));
           continue;
         }
 #endif

@@ -25,6 +25,7 @@
 #include "pflcore/aligned.h"
 #include "pflcore/checks.h"
 #include "lane_sums.h"
+#include "simd.h"
 
 #if defined(__SSE2__)
 #include <immintrin.h>
@@ -35,14 +36,8 @@ PFLCORE_LEVEL_BEGIN
 namespace kmeans_detail {
 
 // The vector width of this level (bytes) and how many vector registers the micro-kernel may
-// fill. The avx512 level compiles the k-means sources with 512-bit vectors (CMakeLists.txt).
-#if defined(__AVX512F__)
-constexpr int kVecBytes = 64, kVecRegs = 32;
-#elif defined(__AVX__)
-constexpr int kVecBytes = 32, kVecRegs = 16;
-#else
-constexpr int kVecBytes = 16, kVecRegs = 16;  // SSE2, NEON: 16 bytes (NEON has 32 registers; 16 is safe)
-#endif
+// fill (simd.h). The avx512 level compiles the k-means sources with 512-bit vectors (CMakeLists.txt).
+constexpr int kVecBytes = simd::kBytes, kVecRegs = simd::kRegs;
 
 // The per-point helpers are forced inline: GCC kept sqdist_direct out of line in the assignment
 // (a call per point; 18% of kmeans_assign's samples at K = 10, d = 60 on the avx512 level).

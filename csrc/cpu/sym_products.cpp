@@ -15,32 +15,20 @@
 #include <vector>
 
 #include "pflcore/ops_cpu.h"
+#include "simd.h"
 
 namespace pflcore::cpu {
 PFLCORE_LEVEL_BEGIN
 
 namespace {
 
-#if defined(__AVX512F__)
-constexpr int kVecBytes = 64, kVecRegs = 32;
-#elif defined(__AVX__)
-constexpr int kVecBytes = 32, kVecRegs = 16;
-#else
-constexpr int kVecBytes = 16, kVecRegs = 16;
-#endif
-
 template <typename T>
-struct Sym {
-  typedef T V __attribute__((vector_size(kVecBytes)));
-  static constexpr int L = kVecBytes / int(sizeof(T));
+struct Sym : simd::Vec<T> {
+  using typename simd::Vec<T>::V;
+  using simd::Vec<T>::L;
+  using simd::Vec<T>::load;
   static constexpr int NV = 2, NR = NV * L;
-  static constexpr int MR = kVecRegs >= 32 ? 12 : 6;  // MR·NV accumulators + NV + 1 in the registers
-
-  static V load(const T* p) {
-    V v;
-    std::memcpy(&v, p, sizeof v);
-    return v;
-  }
+  static constexpr int MR = simd::kRegs >= 32 ? 12 : 6;  // MR·NV accumulators + NV + 1 in the registers
 
   // out[i0 + r, j0 + c] for r < MR (rows below n), c < nj, from the panel [d][NR]
   static void block(const T* Y, int64_t n, int64_t d, const T* panel, int64_t i0, int64_t j0, int64_t nj, T* out) {

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import functools
 import math
-import threading
 from dataclasses import dataclass
 from typing import Optional
 
@@ -123,19 +122,17 @@ def _row_sumsq(A: torch.Tensor, block: int = 256) -> torch.Tensor:
 class _Float64Rows:
     """The gradients' rows centred in float64 and their squared norms (``pairwise_sqdist``'s
     centring, the same bits), for the groups whose products are taken in float64: made on first
-    use (from float32 gradients usually none is), once, whichever worker thread asks first."""
+    use (from float32 gradients usually none is), once."""
 
     def __init__(self, G: torch.Tensor, S: torch.Tensor, sq: torch.Tensor):
         self._G = G
         self._rows = (S, sq) if S.dtype is torch.float64 else None
-        self._lock = threading.Lock()
 
     def get(self):
-        with self._lock:
-            if self._rows is None:
-                Gc = _centred(self._G)
-                self._rows = (Gc, _row_sumsq(Gc))
-            return self._rows
+        if self._rows is None:
+            Gc = _centred(self._G)
+            self._rows = (Gc, _row_sumsq(Gc))
+        return self._rows
 
 
 @functools.lru_cache(maxsize=8)
@@ -215,7 +212,7 @@ def screened_weights(G: torch.Tensor, sizes: torch.Tensor, lam_alpha: float, row
 
 
 def _screened_weights(G: torch.Tensor, sizes: torch.Tensor, lam_alpha: float, rows: slice, clusters: int,
-                      projection: int, products: Optional[torch.dtype], workers: int = 1) -> torch.Tensor:
+                      projection: int, products: Optional[torch.dtype], threads: int = 1) -> torch.Tensor:
     if G.dim() != 2 or G.shape[0] < 1:
         raise ValueError(f"G: expected shape [m, d] with m >= 1, got {list(G.shape)}")
     m, d = G.shape
@@ -286,7 +283,7 @@ def _screened_weights(G: torch.Tensor, sizes: torch.Tensor, lam_alpha: float, ro
     patterns, group = _merged_patterns(patterns, group, count)
     w = sizes.to(device=S.device, dtype=torch.float64) / (2.0 * lam)
     adapter = backend.select("water_fill_gram", None, w)
-    sym = None if adapter is backend.REFERENCE else _sym_kernel()  # (decided here: workers see no backend context)
+    sym = None if adapter is backend.REFERENCE else _sym_kernel()
     tasks = [(torch.nonzero(group == g_idx).flatten(),  # the group's rows (ascending)
               torch.nonzero(patterns[g_idx][labels]).flatten())  # its columns: ascending client ids
              for g_idx in range(patterns.shape[0])]
@@ -317,7 +314,7 @@ def _screened_weights(G: torch.Tensor, sizes: torch.Tensor, lam_alpha: float, ro
     # their rows between the OpenMP threads): the threads of the gradients' pass just before are
     # still spinning in libgomp, and worker threads of our own competed with them (~3 ms of a ~17 ms
     # α at m = 2,000, 2 threads)
-    torch.set_num_threads(workers)
+    torch.set_num_threads(threads)
     try:
         for r_idx, cols in tasks:
             solve(r_idx, cols)
