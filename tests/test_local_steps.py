@@ -234,3 +234,30 @@ def test_softmax_blocks_and_class_masks_match_reference(C):
         got_e, want_e = ops.evaluate(model, theta, data, batches=one), ops.evaluate_ref(model, theta, data, batches=one)
         torch.testing.assert_close(got_e[0], want_e[0], rtol=1e-5, atol=1e-5)
         assert torch.equal(got_e[1], want_e[1]), f"B={B}: correct counts {got_e[1]} vs {want_e[1]}"
+
+
+def test_a_federation_past_the_prefetch_size_gives_the_small_ones_bits():
+    """A full-batch pass over data of more than 32 MB asks for the rows of the client two model
+    rows on while it computes (csrc/cpu/glm.cpp prefetch_next_client): the clients' steps and
+    gradients are bitwise those of the same clients in a federation of their own (no prefetch),
+    in order, permuted and repeated (``rows``), up to the last client's rows at the data's end."""
+    from pflcore import ClientData
+    model = make_model("softmax", 61, 10, l2=0.01)
+    m, n = 2200, 64  # 2,200 clients x 64 rows x 61 float32 features: 34 MB
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(m * n, 61, generator=g)
+    y = torch.randint(0, 10, (m * n,), generator=g)
+    big = ClientData(x, y, torch.arange(0, m * n + 1, n))
+    assert x.numel() * 4 > 32 << 20
+    picks = torch.tensor([m - 1, 3, m - 2, 3, 0, m - 1])  # the data's last client, repeats
+    small = ClientData(x[-2 * n:].clone(), y[-2 * n:].clone(), torch.tensor([0, n, 2 * n]))
+    small_rows = torch.tensor([1, 0, 1])  # clients m - 1, m - 2, m - 1 of big
+    theta = 0.05 * torch.randn(picks.numel(), model.d, generator=g)
+    got = ops.local_steps(model, theta.clone(), big, steps=3, lr=0.1, rows=picks)
+    want = ops.local_steps(model, theta[[0, 2, 5]].clone(), small, steps=3, lr=0.1, rows=small_rows)
+    assert torch.equal(got[[0, 2, 5]], want)
+    assert torch.equal(ops.gradients(model, theta, big, rows=picks)[[0, 2, 5]],
+                       ops.gradients(model, theta[[0, 2, 5]], small, rows=small_rows))
+    every = ops.gradients(model, theta[0], big)  # every client, one model
+    head = ClientData(x[:4 * n].clone(), y[:4 * n].clone(), torch.arange(0, 4 * n + 1, n))
+    assert torch.equal(every[:4], ops.gradients(model, theta[0], head))

@@ -551,6 +551,32 @@ inline void prefetch_rows(const GlmProblem<T>& prob, const int32_t* batch, int64
   }
 }
 
+// Asks for the rows of the client two model rows on (the one this thread likely takes next: rows
+// go to the team's threads one at a time, in order) while this one computes. A full-batch pass
+// reads each client's rows once; where the federation is larger than the caches they come from
+// memory, and the hardware prefetchers, which follow one client's run at a time, left the first
+// full-batch pass ~2x the time of a later one (2,000 clients, 53 MB of float32 rows, 2 threads, AMD
+// Zen 5: ops.gradients 5.3 -> 4.1 ms, a 5-step local_steps 16.6 -> 15.6 ms). Data that fits in the
+// caches gains nothing and pays the prefetch instructions (500 clients, 13 MB: gradients +11%),
+// hence the size threshold. The prefetches change no result.
+constexpr int64_t kPrefetchAhead = 2;
+constexpr int64_t kPrefetchMinBytes = int64_t(32) << 20;
+template <typename T>
+inline void prefetch_next_client(const GlmProblem<T>& prob, int64_t r) {
+  if (prob.N * prob.p * int64_t(sizeof(T)) < kPrefetchMinBytes || r + kPrefetchAhead >= prob.R) return;
+  const int64_t i = prob.rows ? prob.rows[r + kPrefetchAhead] : r + kPrefetchAhead;
+  if (i < 0 || i >= prob.m) return;  // (reported when that row runs)
+  const int64_t lo = prob.offsets[i], hi = prob.offsets[i + 1];
+  if (lo < 0 || hi > prob.N || lo >= hi) return;
+  const char* first = reinterpret_cast<const char*>(prob.x + lo * prob.p);
+  const int64_t bytes = (hi - lo) * prob.p * int64_t(sizeof(T));
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(first + o, 0, 2);
+#if defined(__GNUC__)
+  // A function whose only effect is prefetches counts as having none: GCC dropped its calls.
+  __asm__ __volatile__("" ::: "memory");
+#endif
+}
+
 // Row r's steps on the row path.
 template <typename T, int64_t CP>
 void local_steps_rowpath(const GlmProblem<T>& prob, const LocalStepsArgs<T>& args, int64_t r, int64_t i, int64_t lo,
@@ -618,6 +644,7 @@ void local_steps_family(const GlmProblem<T>& prob, const LocalStepsArgs<T>& args
     if (!row_args_ok(prob, args, r, &i, &lo, &hi, faults)) return;
     const int64_t n = hi - lo;
     if (on_row_path<CP>(args.batches ? args.batch_size : n)) {
+      if (!args.batches) prefetch_next_client(prob, r);
       if constexpr (CP > 0) local_steps_rowpath<T, CP>(prob, args, r, i, lo, hi, faults);
       return;
     }
@@ -691,6 +718,7 @@ void gradients_family(const GlmProblem<T>& prob, const T* theta, int64_t theta_s
   for_each_model_row<F>(prob, per_pass, prob.R * per_pass * (p + 1) * C, [&](int64_t r, Workspace<F, T>& ws) {
     RowPass<T> rp;
     if (!start_row(prob, theta, theta_stride, batches, batch_size, r, &rp, faults)) return;
+    if (!batches) prefetch_next_client(prob, r);
     const T* th = rp.theta;
     const int32_t* batch = rp.batch;
     const int64_t lo = rp.lo, nb = rp.n;
