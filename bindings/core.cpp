@@ -509,6 +509,19 @@ PYBIND11_MODULE(_core, m) {
     if (f64) cpu::active().sym_products.f64(as<const double>(Y), n, d, as<double>(out));
     else cpu::active().sym_products.f32(as<const float>(Y), n, d, as<float>(out));
   });
+  m.def("perm_screen_stats", [](bool f64, ptr_t G, int64_t m, int64_t d, ptr_t omega, int64_t q, int64_t k,
+                                ptr_t labels, ptr_t sq, ptr_t mu, ptr_t mu_sq, ptr_t t) -> int64_t {
+    require(m >= 1 && d >= 1 && q >= 1 && k >= 1 && G && omega && labels && sq && mu && mu_sq && t,
+            "perm_screen_stats", "expected m, d, q, k >= 1 and non-null buffers");
+    py::gil_scoped_release nogil;
+    if (f64)
+      return cpu::active().perm_screen_stats.f64(as<const double>(G), m, d, as<const double>(omega), q, k,
+                                                 as<int64_t>(labels), as<double>(sq), as<double>(mu),
+                                                 as<double>(mu_sq), as<double>(t));
+    return cpu::active().perm_screen_stats.f32(as<const float>(G), m, d, as<const float>(omega), q, k,
+                                               as<int64_t>(labels), as<double>(sq), as<float>(mu), as<double>(mu_sq),
+                                               as<double>(t));
+  }, "PERM's screen statistics (csrc/cpu/perm_screen.cpp); returns the clusters made");
   m.def("water_fill", [](ptr_t costs, int64_t r, int64_t k, ptr_t w, ptr_t alpha) {
     require(r >= 0 && k >= 1 && costs && w && alpha, "water_fill", "expected r >= 0, k >= 1 and non-null buffers");
     Faults faults;

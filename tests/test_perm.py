@@ -442,6 +442,45 @@ def test_screened_weights_screen_in_float32_is_conservative(monkeypatch, d, offs
     assert made == []
 
 
+@pytest.mark.usefixtures("cpu_level")  # every CPU level's copy of the kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("m, d, groups", [(300, 23, 4), (64, 9, 2), (500, 610, 6), (40, 17, 1)])
+def test_native_screen_statistics_equal_the_torch_ones(dtype, m, d, groups):
+    """The screen's statistics in two native passes (csrc/cpu/perm_screen.cpp) against their torch
+    code: the same farthest-point clusters (well separated groups: no near-ties), squared norms,
+    centres' norms and distances to the centres to float rounding; bitwise the same at 1 and 3
+    threads; and fewer clusters than asked where the rows have fewer distinct projections."""
+    from pflcore.algorithms import perm
+    if perm._screen_kernel(torch.zeros(1, 1)) is None:
+        pytest.skip("no native module")
+    G, _ = _grouped_gradients(m, d, groups, 0.05, seed=m + d, dtype=dtype)
+    omega = perm._projection(d, min(16, d))
+    got = perm._screen_stats_native(G, omega, 16)
+    want = perm._screen_stats_torch(G, omega, 16)
+    assert got[0] is None  # (the shifted rows are not stored)
+    assert torch.equal(got[2], want[2]) and torch.equal(got[3], want[3])
+    rtol = 1e-5 if dtype == torch.float32 else 1e-12
+    for a, b in zip((got[1], got[4]), (want[1], want[4])):  # squared norms
+        torch.testing.assert_close(a, b, rtol=rtol, atol=0.0)
+    # t: both within the screen's error term E = (d + 3)·2u·(‖s‖² + ‖μ‖²) of the exact value
+    E = (d + 3) * torch.finfo(dtype).eps * (want[1][:, None] + want[4][None, :])
+    assert bool(((got[5] - want[5]).abs() <= 2 * E).all())
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 3):
+            torch.set_num_threads(t)
+            again = perm._screen_stats_native(G, omega, 16)
+            assert all(torch.equal(a, b) for a, b in zip(again[1:], got[1:])), t
+    finally:
+        torch.set_num_threads(threads)
+    # three distinct rows: three clusters (each row's projection is computed alike, so copies lie at
+    # distance 0; MKL's product may round copies differently, splitting them in the torch code)
+    D = G[:3].repeat(5, 1)
+    few = perm._screen_stats_native(D, omega, 16)
+    assert torch.equal(few[2], few[2][:3].repeat(5)) and sorted(few[2][:3].tolist()) == [0, 1, 2]
+    assert few[3].tolist() == [5.0, 5.0, 5.0] and few[5].shape == (15, 3)
+
+
 def test_screened_weights_errors():
     G, n = _grouped_gradients(10, 3, 2, 0.1, seed=1)
     with pytest.raises(ValueError, match="lam_alpha"):

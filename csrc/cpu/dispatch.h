@@ -80,6 +80,10 @@ using CnnDenseLogitsFn = void (*)(const T*, int64_t, int64_t, int64_t, const int
                                   const T* const*, const int64_t*, T*);
 
 template <typename T>
+using PermScreenStatsFn = int64_t (*)(const T*, int64_t, int64_t, const T*, int64_t, int64_t, int64_t*, double*, T*,
+                                      double*, double*);
+
+template <typename T>
 using SymProductsFn = void (*)(const T*, int64_t, int64_t, T*);
 
 template <typename T>
@@ -109,6 +113,7 @@ struct KernelTable {
   Typed<CnnDenseGradFn> cnn_dense_grad;
   Typed<CnnDenseLogitsFn> cnn_dense_logits;
   Typed<SymProductsFn> sym_products;
+  Typed<PermScreenStatsFn> perm_screen_stats;
   void (*dp_normals)(uint64_t, uint64_t, int64_t, double*);
   void (*anderson_solve)(const double*, int64_t, double, double*);
   void (*water_fill)(const double*, int64_t, int64_t, const double*, double*, Faults&);

@@ -28,6 +28,7 @@ const KernelTable& level_table() {
     t.cnn_dense_grad = {cnn_dense_grad<float>, cnn_dense_grad<double>};
     t.cnn_dense_logits = {cnn_dense_logits<float>, cnn_dense_logits<double>};
     t.sym_products = {sym_products<float>, sym_products<double>};
+    t.perm_screen_stats = {perm_screen_stats<float>, perm_screen_stats<double>};
     t.dp_normals = dp_normals;
     t.anderson_solve = anderson_solve;
     t.water_fill = water_fill;

@@ -126,7 +126,7 @@ class _Float64Rows:
 
     def __init__(self, G: torch.Tensor, S: torch.Tensor, sq: torch.Tensor):
         self._G = G
-        self._rows = (S, sq) if S.dtype is torch.float64 else None
+        self._rows = (S, sq) if S is not None and S.dtype is torch.float64 else None
 
     def get(self):
         if self._rows is None:
@@ -158,6 +158,59 @@ def _farthest_point_labels(Y: torch.Tensor, k: int) -> torch.Tensor:
         labels = torch.where(dist < best, c, labels)
         best = torch.minimum(best, dist)
     return labels
+
+
+def _screen_kernel(G: torch.Tensor):
+    """The native module where it computes the screen's statistics for ``G`` (CPU, float32/float64,
+    contiguous, not forced onto the reference backend), else None."""
+    if G.device.type != "cpu" or G.dtype not in (torch.float32, torch.float64) or not G.is_contiguous() \
+            or backend.requested() == "reference":
+        return None
+    core = backend.loaded("native")
+    return core if core is not None and hasattr(core, "perm_screen_stats") else None
+
+
+def _screen_stats_native(G: torch.Tensor, omega: torch.Tensor, k: int):
+    """``_screen_stats_torch`` in two passes over G (csrc/cpu/perm_screen.cpp): the shifted rows are
+    not stored (S is None: a float32 G's float64 rows are made from G when a group needs them)."""
+    m, d = G.shape
+    q = omega.shape[1]
+    om = omega.to(G.dtype).contiguous()
+    labels = torch.empty(m, dtype=torch.int64)
+    sq = torch.empty(m, dtype=torch.float64)
+    mu = torch.empty(k, d, dtype=G.dtype)
+    mu_sq = torch.empty(k, dtype=torch.float64)
+    t = torch.empty(m * k, dtype=torch.float64)
+    found = _screen_kernel(G).perm_screen_stats(G.dtype is torch.float64, G.data_ptr(), m, d, om.data_ptr(), q, k,
+                                                labels.data_ptr(), sq.data_ptr(), mu.data_ptr(), mu_sq.data_ptr(),
+                                                t.data_ptr())
+    count = torch.bincount(labels, minlength=found).to(torch.float64)
+    return None, sq, labels, count, mu_sq[:found], t[:m * found].view(m, found)
+
+
+def _screen_stats_torch(G: torch.Tensor, omega: torch.Tensor, k: int):
+    """The screen's statistics in torch: (the shifted rows S [m, d], their squared norms [m] float64,
+    the farthest-point labels [m] of their projections S Ω, the clusters' sizes [k'] float64, their
+    centres' squared norms [k'] float64, t [m, k'] float64 = ‖s_j − μ_b‖² by the Gram formula);
+    k' <= k the clusters made."""
+    m, d = G.shape
+    if G.dtype is torch.float32:  # (any shift keeps the distances: the mean's rounding is harmless)
+        S = G - G.mean(dim=0)
+        sq_s = _row_sumsq(S).to(torch.float64)
+    else:
+        S = _centred(G)
+        sq_s = _row_sumsq(S)
+    # (Ωᵀ Gᵀ)ᵀ: MKL multiplies [m, d] by a narrow [d, 16] at ~4 GFLOP/s, the transposed product ~2.6× faster;
+    # in the gradients' precision (any labelling keeps the result exact; the labels only decide how
+    # much is screened)
+    Y = torch.mm(omega.T.to(S.dtype), S.T).T
+    labels = _farthest_point_labels(Y, k)
+    k = int(labels.max()) + 1
+    count = torch.bincount(labels, minlength=k).to(torch.float64)
+    mu = torch.zeros(k, d, dtype=S.dtype, device=S.device).index_add_(0, labels, S).div_(count[:, None].to(S.dtype))
+    mu_sq = (mu * mu).sum(dim=1, dtype=torch.float64)
+    t = sq_s[:, None] + mu_sq[None, :] - 2.0 * torch.mm(mu, S.T).T.to(torch.float64)  # [m, k]
+    return S, sq_s, labels, count, mu_sq, t
 
 
 def screened_weights(G: torch.Tensor, sizes: torch.Tensor, lam_alpha: float, rows: slice = slice(None),
@@ -195,20 +248,21 @@ def screened_weights(G: torch.Tensor, sizes: torch.Tensor, lam_alpha: float, row
     Each group's costs ‖y_i‖² + ‖y_j‖² − 2y_i·y_j are formed, water-filled and written into the
     output rows by one kernel call (the backend's ``water_fill_gram``).
 
-    Threads: every op runs on one thread (torch's intra-op threads set to 1 for the call): its
-    work is many medium-sized ops, and with 2 threads each on a 2-core machine shared with other
-    processes they took 1.18 s where one thread took 0.17 s (m = 2,000, bench/server_steps.py).
-    The groups are solved one after another, each with torch's t threads (the products and the
-    kernel split a group's rows between them; every entry's arithmetic is the same whichever
-    thread computes it, so the result is bitwise the same at any thread count).
+    Threads: the screen's statistics (two passes over G: ``_screen_stats_native``, or its torch
+    code) run on torch's t threads; the bounds and the grouping after them on one (torch's
+    intra-op threads set to 1: many small ops, which with 2 threads each on a 2-core machine
+    shared with other processes took 1.18 s where one thread took 0.17 s, m = 2,000,
+    bench/server_steps.py); the groups one after another, each on the t threads (the products and
+    the kernel split a group's rows between them). Every entry's arithmetic is the same whichever
+    thread computes it, so the result is bitwise the same at any thread count.
 
     Returns float64 ``[r, m]`` (the rows ``rows``)."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     try:
         return _screened_weights(G, sizes, lam_alpha, rows, clusters, projection, products, threads)
     finally:
-        torch.set_num_threads(threads)
+        if torch.get_num_threads() != threads:  # (an error between the switches below)
+            torch.set_num_threads(threads)
 
 
 def _screened_weights(G: torch.Tensor, sizes: torch.Tensor, lam_alpha: float, rows: slice, clusters: int,
@@ -227,61 +281,54 @@ def _screened_weights(G: torch.Tensor, sizes: torch.Tensor, lam_alpha: float, ro
         raise ValueError(f"products: expected None, torch.float32 or torch.float64, got {products!r}")
     low = products is torch.float32 or (products is None and G.dtype is not torch.float64)
     first, stop = rows.start or 0, m if rows.stop is None else rows.stop
-    # The screen's sums in the gradients' precision, from their rows centred in it (S), with bounds
-    # on their rounding; float64 only where a group's products need it (the centred float64 rows
-    # and their norms were ~1.3 ms of a ~14 ms solve at m = 2,000).
-    if G.dtype is torch.float32:  # (any shift keeps the distances: the mean's rounding is harmless)
-        S = G - G.mean(dim=0)
-        sq_s = _row_sumsq(S).to(torch.float64)
-    else:
-        S = _centred(G)
-        sq_s = _row_sumsq(S)
-    fine = _Float64Rows(G, S, sq_s)
-    unit = torch.finfo(S.dtype).eps  # 2u
-    G32 = G.to(torch.float32) if low else None
+    # The screen's sums in the gradients' precision, from their rows centred in it, with bounds on
+    # their rounding; float64 only where a group's products need it (the centred float64 rows and
+    # their norms were ~1.3 ms of a ~14 ms solve at m = 2,000).
     k = max(1, min(int(clusters), m))
-    omega = _projection(d, min(int(projection), d)).to(S.device)
-    # (Ωᵀ Gᵀ)ᵀ: MKL multiplies [m, d] by a narrow [d, 16] at ~4 GFLOP/s, the transposed product ~2.6× faster;
-    # in the gradients' precision (any labelling keeps the result exact; the labels only decide how
-    # much is screened)
-    Y = torch.mm(omega.T.to(S.dtype), S.T).T
-    labels = _farthest_point_labels(Y, k)
-    k = int(labels.max()) + 1
-    count = torch.bincount(labels, minlength=k).to(torch.float64)
-    # the clusters' centres μ_b (any points would do: the bounds below hold for any centre)
-    mu = torch.zeros(k, d, dtype=S.dtype, device=S.device).index_add_(0, labels, S).div_(count[:, None].to(S.dtype))
-    mu_sq = (mu * mu).sum(dim=1, dtype=torch.float64)
-    # t = ‖s_j − μ_b‖² of every client to every centre by the Gram formula, within ±E of the exact
-    # value: |fl(s·μ) − s·μ| ≤ γ_d‖s‖‖μ‖ with γ_d ≈ d·u, the sums of squares' γ_d‖s‖², γ_d‖μ‖²
+    omega = _projection(d, min(int(projection), d)).to(G.device)
+    # the rows shifted by their mean (s_j), their squared norms, the farthest-point clusters of their
+    # projections, the clusters' centres μ_b (any points would do: the bounds below hold for any
+    # centre) and t = ‖s_j − μ_b‖² of every client to every centre by the Gram formula, in the
+    # gradients' precision; within ±E of the exact value: |fl(s·μ) − s·μ| ≤ γ_d‖s‖‖μ‖ with
+    # γ_d ≈ d·u, the sums of squares' γ_d‖s‖², γ_d‖μ‖²
+    # (float64 gradients: the torch statistics, whose shifted float64 rows every group's products reuse)
+    native = G.dtype is torch.float32 and _screen_kernel(G) is not None
+    stats = _screen_stats_native if native else _screen_stats_torch
+    S, sq_s, labels, count, mu_sq, t = stats(G, omega, k)
+    k = count.numel()
+    if threads != 1:
+        torch.set_num_threads(1)  # (the small ops below; back to `threads` for the groups)
+    fine = _Float64Rows(G, S, sq_s)
+    unit = torch.finfo(G.dtype).eps  # 2u
+    G32 = G.to(torch.float32) if low else None
     norms = sq_s[:, None] + mu_sq[None, :]
-    t = norms - 2.0 * torch.mm(mu, S.T).T.to(torch.float64)  # [m, k]
     E = norms.mul_((d + 3) * unit).add_(1e-300)
     far = (t + E).clamp_(min=0.0).sqrt_()  # ‖s_j − μ_b‖ rounded up
     near = t.sub_(E).clamp_(min=0.0).sqrt_()  # and down
     # ‖g_j − μ_{a(j)}‖ rounded up, the clusters' radii (never underestimated)
-    at = torch.arange(m, device=S.device)
+    at = torch.arange(m, device=G.device)
     own = far[at, labels]
-    radius = torch.zeros(k, dtype=torch.float64, device=S.device).scatter_reduce_(0, labels, own, "amax")
+    radius = torch.zeros(k, dtype=torch.float64, device=G.device).scatter_reduce_(0, labels, own, "amax")
     # S's own rounding: s_j = (g_j − mean)(1 + δ), |δ| ≤ u, moves a distance ‖g_i − g_j‖ by at most
     # u(‖s_i‖ + ‖s_j‖), with ‖s_j‖ ≤ ‖μ_b‖ + r_b for a client j of cluster b
     moved = unit * (sq_s[first:stop].sqrt()[:, None] + mu_sq.sqrt()[None, :] + radius[None, :])  # [r, k]
     lower = (near[first:stop] - radius[None, :] - moved).clamp_(min=0.0) ** 2  # [r, k]
-    inv_w = 2.0 * lam / sizes.to(device=S.device, dtype=torch.float64)
+    inv_w = 2.0 * lam / sizes.to(device=G.device, dtype=torch.float64)
     # upper bounds of τ_i: the level of client i alone (c_ii = 0), or of the client of its cluster
     # with the most samples, at distance at most ‖g_i − μ_a‖ + r_a
-    best = torch.full((k,), float("inf"), dtype=torch.float64, device=S.device)
+    best = torch.full((k,), float("inf"), dtype=torch.float64, device=G.device)
     best.scatter_reduce_(0, labels, inv_w, "amin")
     mine = labels[first:stop]
-    reach = own[first:stop] + radius[mine] + moved[torch.arange(stop - first, device=S.device), mine]
+    reach = own[first:stop] + radius[mine] + moved[torch.arange(stop - first, device=G.device), mine]
     level = torch.minimum(inv_w[first:stop], reach ** 2 + best[mine]) * (1.0 + 1e-9)
     need = lower < level[:, None]  # [r, k]: clusters that may hold weight for the row
-    need[torch.arange(stop - first, device=S.device), labels[first:stop]] = True
+    need[torch.arange(stop - first, device=G.device), labels[first:stop]] = True
     # every row of out belongs to one group, whose kernel call clears it (fill="row", in the worker
     # threads) before writing its weights: no zero-filled [r, m] buffer first (~1 ms at m = 2,000)
-    out = torch.empty(stop - first, m, dtype=torch.float64, device=S.device)
+    out = torch.empty(stop - first, m, dtype=torch.float64, device=G.device)
     patterns, group = _row_patterns(need)
     patterns, group = _merged_patterns(patterns, group, count)
-    w = sizes.to(device=S.device, dtype=torch.float64) / (2.0 * lam)
+    w = sizes.to(device=G.device, dtype=torch.float64) / (2.0 * lam)
     adapter = backend.select("water_fill_gram", None, w)
     sym = None if adapter is backend.REFERENCE else _sym_kernel()
     tasks = [(torch.nonzero(group == g_idx).flatten(),  # the group's rows (ascending)
@@ -314,12 +361,10 @@ def _screened_weights(G: torch.Tensor, sizes: torch.Tensor, lam_alpha: float, ro
     # their rows between the OpenMP threads): the threads of the gradients' pass just before are
     # still spinning in libgomp, and worker threads of our own competed with them (~3 ms of a ~17 ms
     # α at m = 2,000, 2 threads)
-    torch.set_num_threads(threads)
-    try:
-        for r_idx, cols in tasks:
-            solve(r_idx, cols)
-    finally:
-        torch.set_num_threads(1)
+    if threads != 1:
+        torch.set_num_threads(threads)
+    for r_idx, cols in tasks:
+        solve(r_idx, cols)
     return out
 
 

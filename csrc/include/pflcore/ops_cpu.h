@@ -173,6 +173,14 @@ void cnn_dense_logits(const T* feats /*[G, n, dims[0]]*/, int64_t G, int64_t n, 
                       const T* const* b /*[layers]*/, const int64_t* theta_model /*[2·layers]*/,
                       T* logits /*[G, n, dims[layers]]*/);
 
+// The statistics of the screen of PERM's mixing weights (csrc/cpu/perm_screen.cpp): for the rows
+// of G shifted by their mean, s_i, the squared norms sq [m], the farthest-point labels [m] of the
+// projections s_i Ω (omega [d, q]) into at most k clusters, the clusters' means mu [k, d] and their
+// squared norms mu_sq [k], and t [m, found] = ‖s_i − mu_b‖² by the Gram formula. Returns found,
+// the clusters made (<= k; fewer where the rows have fewer distinct projections).
+template <typename T>
+int64_t perm_screen_stats(const T* G /*[m, d]*/, int64_t m, int64_t d, const T* omega /*[d, q]*/, int64_t q,
+                          int64_t k, int64_t* labels, double* sq, T* mu, double* mu_sq, double* t);
 // out = Y Yᵀ (csrc/cpu/sym_products.cpp): the upper block triangle computed, the rest mirrored
 // (exactly symmetric). OpenMP threads split the panels; the bits do not depend on their number.
 template <typename T>
