@@ -171,8 +171,9 @@ def _screen_kernel(G: torch.Tensor):
 
 
 def _screen_stats_native(G: torch.Tensor, omega: torch.Tensor, k: int):
-    """``_screen_stats_torch`` in two passes over G (csrc/cpu/perm_screen.cpp): the shifted rows are
-    not stored (S is None: a float32 G's float64 rows are made from G when a group needs them)."""
+    """``_screen_stats_torch`` in four native passes over G (csrc/cpu/perm_screen.cpp) on torch's
+    threads: the shifted rows are not stored (S is None: a float32 G's float64 rows are made from G
+    when a group needs them)."""
     m, d = G.shape
     q = omega.shape[1]
     om = omega.to(G.dtype).contiguous()
@@ -248,12 +249,13 @@ def screened_weights(G: torch.Tensor, sizes: torch.Tensor, lam_alpha: float, row
     Each group's costs ‖y_i‖² + ‖y_j‖² − 2y_i·y_j are formed, water-filled and written into the
     output rows by one kernel call (the backend's ``water_fill_gram``).
 
-    Threads: the screen's statistics (two passes over G: ``_screen_stats_native``, or its torch
-    code) run on torch's t threads; the bounds and the grouping after them on one (torch's
-    intra-op threads set to 1: many small ops, which with 2 threads each on a 2-core machine
-    shared with other processes took 1.18 s where one thread took 0.17 s, m = 2,000,
-    bench/server_steps.py); the groups one after another, each on the t threads (the products and
-    the kernel split a group's rows between them). Every entry's arithmetic is the same whichever
+    Threads: the screen's statistics for float32 gradients (native passes over G,
+    ``_screen_stats_native``) run on torch's t threads; the torch statistics (float64 gradients,
+    or no native module), the bounds and the grouping on one (torch's intra-op threads set to 1:
+    many small ops, which with 2 threads each on a 2-core machine shared with other processes took
+    1.18 s where one thread took 0.17 s, m = 2,000, bench/server_steps.py); the groups one after
+    another, each on the t threads (the products and the kernel split a group's rows between
+    them). Every entry's arithmetic is the same whichever
     thread computes it, so the result is bitwise the same at any thread count.
 
     Returns float64 ``[r, m]`` (the rows ``rows``)."""
@@ -292,12 +294,16 @@ def _screened_weights(G: torch.Tensor, sizes: torch.Tensor, lam_alpha: float, ro
     # gradients' precision; within ±E of the exact value: |fl(s·μ) − s·μ| ≤ γ_d‖s‖‖μ‖ with
     # γ_d ≈ d·u, the sums of squares' γ_d‖s‖², γ_d‖μ‖²
     # (float64 gradients: the torch statistics, whose shifted float64 rows every group's products reuse)
+    # The native statistics run on the t threads; the torch code (its farthest-point loop is many
+    # small ops) and the bounds' small ops below on one, then the groups on the t threads again.
     native = G.dtype is torch.float32 and _screen_kernel(G) is not None
-    stats = _screen_stats_native if native else _screen_stats_torch
-    S, sq_s, labels, count, mu_sq, t = stats(G, omega, k)
-    k = count.numel()
+    if native:
+        S, sq_s, labels, count, mu_sq, t = _screen_stats_native(G, omega, k)
     if threads != 1:
-        torch.set_num_threads(1)  # (the small ops below; back to `threads` for the groups)
+        torch.set_num_threads(1)
+    if not native:
+        S, sq_s, labels, count, mu_sq, t = _screen_stats_torch(G, omega, k)
+    k = count.numel()
     fine = _Float64Rows(G, S, sq_s)
     unit = torch.finfo(G.dtype).eps  # 2u
     G32 = G.to(torch.float32) if low else None
