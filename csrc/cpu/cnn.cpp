@@ -277,19 +277,6 @@ inline void corr_images(const T* a, int64_t a_img, int64_t a_row, const T* src, 
 
 }  // namespace
 
-// out[j] = the sum of the lanes of acc[j], j < M: on AVX-512 a vector's lanes' worth of them at a
-// time (lane_sums.h, ~3 instructions a sum where a lane-by-lane sum takes 15 dependent adds; the
-// weight gradient sums 5,000 accumulators a model on the MNIST net's second layer), the rest and
-// every other level lane by lane. Either way a fixed order.
-template <typename T>
-inline void lane_sums(const typename Vec<T>::type* acc, int64_t M, T* out) {
-  int64_t j = 0;
-#if defined(__AVX512F__)
-  for (; j + Vec<T>::lanes <= M; j += Vec<T>::lanes) lane_sums_512<T>(acc + j, out + j);
-#endif
-  for (; j < M; ++j) out[j] = Vec<T>::sum(acc[j]);
-}
-
 template <typename T>
 void cnn_shifted_gemm(const T* src, int64_t src_img, const int64_t* off, int64_t Tn, const T* w, const T* bias,
                       int64_t G, int64_t n, int64_t R, int64_t P, T* out, int64_t out_img, int64_t out_row) {
@@ -384,7 +371,7 @@ void cnn_shifted_corr(const T* a, int64_t a_img, int64_t a_row, const T* src, in
       for (int64_t i = 0; i < n; ++i)
         corr_images<T>(ag + i * a_img, a_img, a_row, sg + i * src_img, src_img, off, Tn, R, P, 1, acc.data());
     }
-    lane_sums<T>(acc.data(), R * Tn, dwg);
+    lane_sums_each<T>(acc.data(), R * Tn, dwg);  // (the MNIST net's second layer: 5,000 sums a model)
     if (!db) continue;
     for (int64_t r = 0; r < R; ++r) {  // the bias gradient: Σ of the row's vectors, then its lanes
       typename Vec<T>::type acc{};

@@ -1,7 +1,9 @@
 // The sums of the lanes of one vector's lanes' worth of 512-bit accumulators at once, shared by
-// the k-means screen (kmeans_screen.h) and the CNN weight gradient (cnn.cpp). Included inside
+// the k-means screen (kmeans_screen.h), the CNN weight gradient (cnn.cpp) and PERM's screen
+// (perm_screen.cpp). Included inside
 // nothing: it opens the level's namespace itself, so each level compiles its own copy.
 #pragma once
+#include <cstdint>
 #include <cstring>
 
 #include "pflcore/cpu_level.h"
@@ -60,6 +62,25 @@ inline void lane_sums_512(const V* a, T* out) {
   }
 }
 #endif
+
+// out[j] = the sum of the lanes of acc[j], j < M, for any vector type V of T: on AVX-512 a
+// vector's lanes' worth of them at a time (lane_sums_512: ~3 instructions a sum where a
+// lane-by-lane sum takes 15 dependent adds), the rest and every other level lane by lane from
+// lane 0. Either way a fixed order.
+template <typename T, typename V>
+inline void lane_sums_each(const V* acc, int64_t M, T* out) {
+  constexpr int L = int(sizeof(V) / sizeof(T));
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  if constexpr (sizeof(V) == 64)
+    for (; j + L <= M; j += L) lane_sums_512<T>(acc + j, out + j);
+#endif
+  for (; j < M; ++j) {
+    T s = acc[j][0];
+    for (int l = 1; l < L; ++l) s += acc[j][l];
+    out[j] = s;
+  }
+}
 
 PFLCORE_LEVEL_END
 }  // namespace pflcore::cpu

@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "lane_sums.h"
 #include "pflcore/ops_cpu.h"
 #include "simd.h"
 
@@ -77,7 +78,7 @@ struct DotRows {
 
 // out[c] = Σ_j s_j·rows[c][j] for every row c of `rows` (DotRows): NC accumulators in the registers
 // and one load of s per vector of coordinates (separate dots reloaded s and reduced each sum's
-// lanes alone: ~2x the time), then the lanes of each sum in order and its last coordinates.
+// lanes alone: ~2x the time), then their lanes (lane_sums_each) and each sum's last coordinates.
 template <typename T>
 inline void dots_all(const T* s, const DotRows<T>& rows, double* out) {
   using V = typename Vt<T>::V;
@@ -92,9 +93,10 @@ inline void dots_all(const T* s, const DotRows<T>& rows, double* out) {
       for (int c = 0; c < NC; ++c) acc[c] += sv * Vt<T>::load(pb + c * L);
     }
     const int64_t nb = std::min<int64_t>(NC, rows.n - c0);
+    T sums[NC];
+    lane_sums_each<T>(acc, NC, sums);
     for (int c = 0; c < nb; ++c) {
-      T sum = T(0);
-      for (int l = 0; l < L; ++l) sum += acc[c][l];
+      T sum = sums[c];
       const T* tr = rows.tail.data() + (c0 + c) * rest;
       for (int64_t j = 0; j < rest; ++j) sum += s[full * L + j] * tr[j];
       out[c0 + c] = double(sum);
