@@ -166,7 +166,7 @@ void kmeans_assign_t(ptr_t points, int64_t N, int64_t d, ptr_t centroids, int64_
     cpu::kmeans_assign<T>(as<const T>(points), as<const T>(centroids), N, K, d, as<int64_t>(labels), as<T>(sqdist),
                           faults);
   };
-  if (N * K * d < (int64_t(1) << 18)) {
+  if (N * K * d <= cpu::kKmeansSerialWork) {
     run();  // a few µs: keeps the GIL (releasing and taking it back cost ~0.2 µs of a ~5 µs call)
   } else {
     py::gil_scoped_release nogil;

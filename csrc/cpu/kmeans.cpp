@@ -69,9 +69,9 @@ void kmeans_assign(const T* points, const T* centroids, int64_t N, int64_t K, in
   // loop of calls), against ~0.03 ns a multiply-add on one thread: splitting gains from ~2·10^5
   // multiply-adds on. At 200 x 60, K = 10 (1.2·10^5): one thread 4.5 µs a kernel call, two
   // threads 7.3 µs; in the peer benchmark's loop of ops.kmeans_assign calls, one thread 7.9 µs and
-  // two 7.5–11.3 µs. Hence a threshold of 2^18.
+  // two 7.5–11.3 µs. Hence a threshold of 2^18 (kKmeansSerialWork).
   const int threads = omp_threads();
-  const bool parallel = threads > 1 && N >= 96 && N * K * d > (int64_t(1) << 18);
+  const bool parallel = threads > 1 && N >= 96 && N * K * d > kKmeansSerialWork;
   const int64_t block =
       parallel ? std::clamp<int64_t>((N + 2 * threads - 1) / (2 * threads) / 48 * 48, 48, kAssignBlock) : kAssignBlock;
   auto range = [&](int64_t b, std::vector<T>& dots) {
@@ -209,7 +209,7 @@ void kmeans_lloyd(const T* points, const T* weights, int64_t N, int64_t K, int64
         return;
       }
   const Chunking ch(N, K, d);
-  const bool parallel = N * K * d > (1 << 18);
+  const bool parallel = N * K * d > kKmeansSerialWork;
   // a chunk's buffer: sums [K, dp], then weights [K]; each cluster's row padded to whole cache
   // lines and the buffers cache-line aligned, so that the sums' vector adds never straddle two
   // lines (the padding stays 0 and is never read)

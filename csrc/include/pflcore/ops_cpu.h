@@ -64,6 +64,11 @@ void evaluate(const GlmProblem<T>& prob, const T* theta /*[R, d] or [d]*/, int64
               const int32_t* batches /*[R, B] or null*/, int64_t batch_size, T* loss_sum /*[R]*/,
               int64_t* correct /*[R]*/, int64_t* count /*[R]*/, Faults& faults);
 
+// The multiply-adds (N·K·d) up to which a k-means call (kmeans_assign, kmeans_lloyd) runs on the
+// calling thread: waking a second thread costs more below it (csrc/cpu/kmeans.cpp); the binding
+// also keeps the GIL for such a call (a few µs).
+constexpr int64_t kKmeansSerialWork = int64_t(1) << 18;
+
 // Checks that the centroids, then the points, are finite (NaN/inf would never be chosen, or
 // always: a silently wrong label).
 template <typename T>
