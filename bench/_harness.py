@@ -91,12 +91,16 @@ def torch_threads(n: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def environ(**values: str) -> Iterator[None]:
-    """The environment variables ``values`` set inside the block; each restored on exit (unset
-    if it was unset). For the variants an op reads from the environment at each call, e.g.
-    PFLCORE_CUDA_GLM."""
+def environ(**values: Optional[str]) -> Iterator[None]:
+    """The environment variables ``values`` set inside the block (None: unset); each restored on
+    exit (unset if it was unset). For the variants an op reads from the environment at each call,
+    e.g. PFLCORE_CUDA_GLM."""
     before = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
+    for k, v in values.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
     try:
         yield
     finally:

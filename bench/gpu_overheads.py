@@ -3,14 +3,14 @@ one-client local_steps call (< 100 µs) and ``average`` at 10⁵ × 610 (>= 50% 
 bandwidth) each split into its parts, every part the median of many calls with the device
 synchronized after each (a caller's wait):
 
-- local_steps, 1 client × 20 rows, Softmax(60, 10), 1 step: the public op; the same op with the
-  torch value screen (PFLCORE_CUDA_SCREEN=torch), with the screen and the steps in one call
-  (=fused), and that with the batched staging (PFLCORE_CUDA_GLM=warp_batched); the op without a
-  screen (a run's trusted call); the module's launch alone (arguments prepared once); an empty synchronize and one tiny
-  torch op, for scale;
-- average of [10⁵, 610] float32 with weights: the public op; the same with the screen in its
-  kernels (PFLCORE_CUDA_AVERAGE=fused); the module's two kernels alone; the torch screen and
-  result check alone.
+- local_steps, 1 client × 20 rows, Softmax(60, 10), 1 step: the public op (its screen and steps in
+  one module call); the same op with the torch value screen (PFLCORE_CUDA_SCREEN=torch), with the
+  module's screen as a call of its own (=separate), with the warp kernel's row-at-a-time staging
+  (PFLCORE_CUDA_GLM=warp_rows); the op without a screen (a run's trusted call); the module's launch
+  alone (arguments prepared once); an empty synchronize and one tiny torch op, for scale;
+- average of [10⁵, 610] float32 with weights: the public op (the screen in its kernels); the same
+  with the torch screen around them (PFLCORE_CUDA_AVERAGE=torch); the module's two kernels alone;
+  the torch screen and result check alone.
 
     python bench/gpu_overheads.py --out bench/results/gpu_overheads.json   # on a GPU machine
 """
@@ -69,17 +69,15 @@ def main(argv=None) -> int:
     with backend.use("cuda"):
         for name, env in (("local_steps_small_op_s", {}),
                           ("local_steps_small_op_torch_screen_s", {"PFLCORE_CUDA_SCREEN": "torch"}),
-                          ("local_steps_small_op_fused_screen_s", {"PFLCORE_CUDA_SCREEN": "fused"}),
-                          ("local_steps_small_op_fused_screen_warp_batched_s",
-                           {"PFLCORE_CUDA_SCREEN": "fused", "PFLCORE_CUDA_GLM": "warp_batched"})):
+                          ("local_steps_small_op_separate_screen_s", {"PFLCORE_CUDA_SCREEN": "separate"}),
+                          ("local_steps_small_op_warp_rows_s", {"PFLCORE_CUDA_GLM": "warp_rows"})):
             with harness.environ(**env):
                 record(name, lambda: ops.local_steps(model, theta, data, steps=1, lr=0.01))
         record("local_steps_small_trusted_s", lambda: run_local_steps(model, theta, data, 1, 0.01, 0.0, None, None,
                                                                       None, None, True))
     ad = backend.ADAPTERS["cuda"]
     module = ad.module
-    rows = torch.arange(1, device=dev)
-    lead = cuda_adapter.glm_args(model, theta, data, rows)
+    lead = cuda_adapter.glm_args(model, theta, data, None)  # rows None: a null address, as the op passes
     stream = cuda_adapter.stream(theta)
     record("local_steps_small_module_launch_s",
            lambda: module.local_steps(*lead, 0, 0, 0, False, 0, 1, 0.01, 0.0, 0, 0, "float32", stream))
@@ -90,8 +88,8 @@ def main(argv=None) -> int:
     th = torch.randn(m, d, generator=g, device=dev)
     w = torch.rand(m, generator=g, device=dev) + 0.1
     record("average_op_s", lambda: ops.average(th, w), calls=100)
-    with harness.environ(PFLCORE_CUDA_AVERAGE="fused"):
-        record("average_op_fused_s", lambda: ops.average(th, w), calls=100)
+    with harness.environ(PFLCORE_CUDA_AVERAGE="torch"):
+        record("average_op_torch_screen_s", lambda: ops.average(th, w), calls=100)
     safe, wsum, flags = _values.average_screen(th, w, None)
     out = torch.empty(d, device=dev)
     buf = torch.empty(module.average_scratch(m, d), dtype=torch.float64, device=dev)

@@ -98,10 +98,16 @@ def median_call(fn, cfg: Config, calls: int = 300) -> float:
     return harness.time_runs(fn, calls, sync=lambda: sync(cfg.device), warmup=10).median
 
 
+# The GLM kernels timed against the default (the warp kernel with its batched staging) in the same
+# process, by their PFLCORE_CUDA_GLM value: "block", glm.cu's block kernel for every shape;
+# "warp_rows", the warp kernel staging one row at a time (the default until the 2026-11-27 run);
+# "warp_fast", glm_warp_fast_kernel (the class count in the template, cp.async staging).
+GLM_VARIANTS = ("block", "warp_rows", "warp_fast")
+
+
 def variant_time(variant: str, fn, cfg: Config, setup=lambda: None) -> float:
-    """``best_of(fn)`` on the cuda backend with PFLCORE_CUDA_GLM=``variant``: "block" (glm.cu's
-    block kernel for every shape) or "warp_batched" (the warp kernel's batched staging): the
-    default warp kernel's A/B in the same process."""
+    """``best_of(fn)`` on the cuda backend with PFLCORE_CUDA_GLM=``variant`` (GLM_VARIANTS): the
+    default kernel's A/B in the same process."""
     with harness.environ(PFLCORE_CUDA_GLM=variant), backend.use("cuda"):
         return best_of(fn, cfg, setup)
 
@@ -185,12 +191,11 @@ def bench_local_steps(cfg: Config, m: int, bw: float, peak: float, data=None, ba
                 continue
             results[name] = best_of(lambda: ops.local_steps(model, theta, data, **kw), cfg, setup)
             out[f"{name}_s"] = results[name]
-    if "cuda" in results:  # glm.cu's block kernel, which the warp kernel replaced for small models,
-        # and the warp kernel with its batched staging (PFLCORE_CUDA_GLM)
-        for variant in ("block", "warp_batched"):
+    if "cuda" in results:  # the other GLM kernels (GLM_VARIANTS) against the default
+        for variant in GLM_VARIANTS:
             out[f"cuda_{variant}_kernel_s"] = variant_time(variant, lambda: ops.local_steps(model, theta, data, **kw),
                                                            cfg, setup)
-            out[f"{variant}_over_warp_kernel_time"] = out[f"cuda_{variant}_kernel_s"] / results["cuda"]
+            out[f"{variant}_over_default_time"] = out[f"cuda_{variant}_kernel_s"] / results["cuda"]
     theta_sub = theta0[sub].clone()
     with backend.use("reference"):
         t_ref = best_of(lambda: ops.local_steps_ref(model, theta_sub, data, rows=sub, **kw_sub), cfg,
@@ -242,9 +247,9 @@ def bench_evaluate(cfg: Config, data, bw: float) -> Dict:
             times[name] = best_of(lambda: ops.evaluate(model, theta, data), cfg)
             out[f"{name}_s"] = times[name]
     if "cuda" in times:
-        for variant in ("block", "warp_batched"):
+        for variant in GLM_VARIANTS:
             out[f"cuda_{variant}_kernel_s"] = variant_time(variant, lambda: ops.evaluate(model, theta, data), cfg)
-            out[f"{variant}_over_warp_kernel_time"] = out[f"cuda_{variant}_kernel_s"] / times["cuda"]
+            out[f"{variant}_over_default_time"] = out[f"cuda_{variant}_kernel_s"] / times["cuda"]
     t_ref = best_of(lambda: ops.evaluate_ref(model, theta[sub], data, rows=sub), cfg, repeats=min(3, cfg.repeats))
     out["reference_s"] = t_ref * m / sub.numel()
     if cfg.kernel in times:
@@ -270,11 +275,11 @@ def bench_small_call(cfg: Config) -> Dict:
         with backend.use(name):
             out[f"{name}_s"] = median_call(lambda: ops.local_steps(model, theta, data, steps=1, lr=0.01), cfg)
     if cfg.kernel == "cuda" and "cuda_s" in out:
-        # the variants not yet the default: the screen and the steps in one call, and with the
-        # batched staging too
-        for key, env in (("cuda_fused_screen_s", {"PFLCORE_CUDA_SCREEN": "fused"}),
-                         ("cuda_fused_screen_warp_batched_s", {"PFLCORE_CUDA_SCREEN": "fused",
-                                                               "PFLCORE_CUDA_GLM": "warp_batched"})):
+        # the default's parts switched back one at a time: the screen as its own module call, and
+        # the warp kernel's row-at-a-time staging
+        for key, env in (("cuda_separate_screen_s", {"PFLCORE_CUDA_SCREEN": "separate"}),
+                         ("cuda_warp_rows_s", {"PFLCORE_CUDA_GLM": "warp_rows"}),
+                         ("cuda_warp_fast_s", {"PFLCORE_CUDA_GLM": "warp_fast"})):
             with harness.environ(**env), backend.use("cuda"):
                 out[key] = median_call(lambda: ops.local_steps(model, theta, data, steps=1, lr=0.01), cfg)
     return out
@@ -351,16 +356,16 @@ def bench_server_ops(cfg: Config, bw: float) -> Dict:
         out["reference_s"] = best_of(lambda: ref(*args), cfg)
         out["fraction_of_copy_bandwidth"] = nbytes / out["s"] / bw
         out["speedup_vs_reference"] = out["reference_s"] / out["s"]
-        if op == "average" and out["served_by"] == "cuda":  # the screen in the kernels (PFLCORE_CUDA_AVERAGE)
-            with harness.environ(PFLCORE_CUDA_AVERAGE="fused"):
+        if op == "average" and out["served_by"] == "cuda":  # the torch screen around the kernels
+            with harness.environ(PFLCORE_CUDA_AVERAGE="torch"):  # (the default until 2026-11-27)
                 diff = float((fn(*args).double().cpu() - want.double().cpu()).abs().max())
-                out["fused_max_abs_diff_vs_reference"] = diff
+                out["torch_screen_max_abs_diff_vs_reference"] = diff
                 if diff <= 1e-4:
-                    out["fused_s"] = best_of(lambda: fn(*args), cfg)
-                    out["fused_fraction_of_copy_bandwidth"] = nbytes / out["fused_s"] / bw
+                    out["torch_screen_s"] = best_of(lambda: fn(*args), cfg)
+                    out["torch_screen_fraction_of_copy_bandwidth"] = nbytes / out["torch_screen_s"] / bw
                 else:
-                    out["fused_error"] = f"disagrees with average_ref (max |Δ| = {diff:.3g})"
-                    print(f"average (fused): {out['fused_error']}", flush=True)
+                    out["torch_screen_error"] = f"disagrees with average_ref (max |Δ| = {diff:.3g})"
+                    print(f"average (torch screen): {out['torch_screen_error']}", flush=True)
         res[op] = out
     del theta, R
     return res
@@ -484,10 +489,11 @@ def table_rows(res: Dict) -> List[Dict]:
     small = res.get("small_call")
     if small:
         add_time(f"local_steps 1 client, 1 step: {k} wall per call", small.get(f"{k}_s"), 100e-6)
-        for key, what in (("cuda_fused_screen_s", "PFLCORE_CUDA_SCREEN=fused"),
-                          ("cuda_fused_screen_warp_batched_s", "the same and PFLCORE_CUDA_GLM=warp_batched")):
+        for key, what in (("cuda_separate_screen_s", "PFLCORE_CUDA_SCREEN=separate"),
+                          ("cuda_warp_rows_s", "PFLCORE_CUDA_GLM=warp_rows"),
+                          ("cuda_warp_fast_s", "PFLCORE_CUDA_GLM=warp_fast")):
             if key in small:
-                add_time(f"local_steps 1 client, 1 step, {what}: wall per call", small.get(key), 100e-6)
+                add_time(f"local_steps 1 client, 1 step, {what}: wall per call", small.get(key), None)
     for r in res["local_steps"]:
         mode = f"B={r['batch_size']}" if r.get("batch_size") else "full batch"
         tag = f"local_steps m={r['m']:,} {mode}"
@@ -497,17 +503,16 @@ def table_rows(res: Dict) -> List[Dict]:
             r.get("speedup_vs_reference"), 10.0, "x")
         add(f"{tag}: {k} speed-up vs cuBLAS on the same products", r.get("speedup_vs_cublas_same_products"), None, "x")
         add(f"{tag}: triton time / {k} time", r.get("triton_over_cuda_time"), None, "x")
-        add(f"{tag}: block kernel time / warp kernel time", r.get("block_over_warp_kernel_time"), None, "x")
-        add(f"{tag}: warp kernel, batched staging / warp kernel time", r.get("warp_batched_over_warp_kernel_time"),
-            None, "x")
+        for variant in GLM_VARIANTS:
+            add(f"{tag}: PFLCORE_CUDA_GLM={variant} time / default time", r.get(f"{variant}_over_default_time"),
+                None, "x")
     ev = res.get("evaluate")
     if ev:
         add_time(f"evaluate m={ev['m']:,} ({ev['N']:,} rows): {k} time", ev.get(f"{k}_s"), 50e-3)
         add(f"evaluate m={ev['m']:,}: {k} speed-up vs torch reference", ev.get("speedup_vs_reference"), None, "x")
-        add(f"evaluate m={ev['m']:,}: block kernel time / warp kernel time", ev.get("block_over_warp_kernel_time"),
-            None, "x")
-        add(f"evaluate m={ev['m']:,}: warp kernel, batched staging / warp kernel time",
-            ev.get("warp_batched_over_warp_kernel_time"), None, "x")
+        for variant in GLM_VARIANTS:
+            add(f"evaluate m={ev['m']:,}: PFLCORE_CUDA_GLM={variant} time / default time",
+                ev.get(f"{variant}_over_default_time"), None, "x")
     kms = res["kmeans_assign"]
     for km in (kms if isinstance(kms, list) else [kms]):
         add(f"kmeans_assign N={km['N']:,} K={km['K']} d={km['d']:,}: {k} speed-up vs cdist+argmin",
@@ -517,9 +522,9 @@ def table_rows(res: Dict) -> List[Dict]:
     for op, r in (res.get("server_ops") or {}).items():
         add(f"{op} {r['m']:,}x{r['d']}: {r['served_by']} bytes/s / copy bandwidth", r.get("fraction_of_copy_bandwidth"), 0.5)
         add(f"{op}: speed-up vs {op}_ref", r.get("speedup_vs_reference"), None, "x")
-        if "fused_max_abs_diff_vs_reference" in r:
-            add(f"{op} {r['m']:,}x{r['d']} with the screen in its kernels (PFLCORE_CUDA_AVERAGE=fused): bytes/s / "
-                f"copy bandwidth", r.get("fused_fraction_of_copy_bandwidth"), 0.5)
+        if "torch_screen_max_abs_diff_vs_reference" in r:
+            add(f"{op} {r['m']:,}x{r['d']} with the torch screen (PFLCORE_CUDA_AVERAGE=torch): bytes/s / "
+                f"copy bandwidth", r.get("torch_screen_fraction_of_copy_bandwidth"), None)
     an = res["anderson"]
     add(f"Anderson step {an['rows']:,}x{an['d']:,}: {k} bytes/s / copy bandwidth", an.get("fraction_of_copy_bandwidth"))
     add(f"Anderson step: triton time / {k} time", an.get("triton_over_cuda_time"), None, "x")

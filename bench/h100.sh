@@ -5,15 +5,15 @@
 # Logs and results go to $OUT (8 files at most come back). Each stage has its own time limit so
 # that one hang leaves the others' results. Run from the repository root:
 #   PFLCORE_GIT_COMMIT=$(git rev-parse HEAD) bash bench/h100.sh
-# Stages: build, san + tests (side by side, ~4 minutes), bench (~1.5), over (~0.5), fed (~1), ncu
-# (~0.5): about 8 minutes, within one call's 10 with the limits below; STAGES picks some of them.
+# Stages: build (~1 minute), san + tests (side by side, ~2.5), over (~0.1), bench (~0.5), fed (~0.3),
+# prof (~0.3), ncu (~0.5): about 5.5 minutes on 2026-11-27; STAGES picks some of them.
 set -u
 OUT=${OUT:-/tmp/h100-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=${PY:-python3}
 T0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
-STAGES=${STAGES:-"build tests san bench over fed ncu"}
+STAGES=${STAGES:-"build tests san bench over fed prof ncu"}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 
 {
@@ -41,7 +41,9 @@ cat "$OUT/info.log" | tail -25
 # (pytest-timeout's thread method: it dumps every thread's stack and ends the worker, which xdist
 # replaces; the signal method cannot interrupt a call blocked in C, e.g. a kernel that never
 # ends) instead of holding the stage.
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+# Only the tests' and sanitizers' processes get 2 threads (the benchmarks after them run with the
+# machine's threads: the CPU column of bench/gpu_federation.py is the 16 cores').
+TEST_THREADS=${TEST_THREADS:-2}
 PER_TEST=${PER_TEST:-150}
 # tests/gpu (xdist workers) and the three sanitizers, each on its own pytest-xdist workers, side by
 # side: the GPU runs them all at once (the sanitizers' slowness is per process, on the CPU), so
@@ -52,12 +54,13 @@ if has san; then
   echo "sanitizer filter: ${FILTER:-none}"
   # every CUDA op on the odd shapes of test_ops_gpu, both GLM kernels, the value screen, and the
   # paths only larger shapes take
-  SAN_K="(test_ops_gpu and cuda and not triton) or test_cuda_screen or (test_cuda_scale and (both_glm_kernels or odd_shapes or global_scratch or unpadded or larger_than_shared or grid_dimension))"
+  SAN_K=${SAN_K:-"(test_ops_gpu and cuda and not triton) or test_cuda_screen or (test_cuda_scale and (both_glm_kernels or odd_shapes or global_scratch or unpadded or larger_than_shared or grid_dimension))"}
   for tool in memcheck racecheck synccheck; do
     (
       extra=""; [ $tool = memcheck ] && extra="--leak-check no"
       # memcheck: every tensor its own cudaMalloc, so that a read past a scratch buffer is caught
       [ $tool = memcheck ] && export PYTORCH_NO_CUDA_MEMORY_CACHING=1
+      export OMP_NUM_THREADS=$TEST_THREADS
       # the workers are child processes: compute-sanitizer follows them (--target-processes all)
       timeout ${SAN_LIMIT:-300} compute-sanitizer --tool $tool $extra $FILTER --target-processes all --print-limit 20 \
         $PY -P -m pytest $(ls tests/gpu/test_ops_gpu.py tests/gpu/test_cuda_scale.py tests/gpu/test_cuda_screen.py 2>/dev/null) \
@@ -68,7 +71,7 @@ if has san; then
 fi
 if has tests; then
   stamp "tests/gpu"
-  timeout ${TESTS_LIMIT:-300} $PY -P -m pytest tests/gpu -v -rfs -p no:cacheprovider -n ${TEST_WORKERS:-6} --durations=25 \
+  OMP_NUM_THREADS=$TEST_THREADS timeout ${TESTS_LIMIT:-300} $PY -P -m pytest tests/gpu -v -rfs -p no:cacheprovider -n ${TEST_WORKERS:-6} --durations=25 \
     --timeout $PER_TEST --timeout-method thread \
     --junitxml=/tmp/tests.xml > "$OUT/tests.log" 2>&1
   echo "pytest rc=$?" >> "$OUT/tests.log"
@@ -83,7 +86,9 @@ if has san; then
     echo "===== $tool: tests passed: $(grep -c " PASSED" /tmp/san_$tool.log); failed or errors (first 40):"
     grep " FAILED\|^FAILED\| ERROR" /tmp/san_$tool.log | head -40
     echo "===== $tool (last 20 lines)"; tail -20 /tmp/san_$tool.log
-  done > "$OUT/sanitize.log"
+  done > /tmp/sanitize.log
+  # appended to tests.log: 8 files at most come back from a call
+  { echo; echo "######## compute-sanitizer"; cat /tmp/sanitize.log; } >> "$OUT/tests.log"
   for tool in memcheck racecheck synccheck; do
     echo "$tool: $(grep -c " PASSED" /tmp/san_$tool.log) passed, $(grep -c " FAILED" /tmp/san_$tool.log) failed;" \
       "$(grep -h "ERROR SUMMARY" /tmp/san_$tool.log | sort | uniq -c | tr '\n' ' ') $(grep -h "rc=" /tmp/san_$tool.log)"
@@ -114,12 +119,21 @@ if has fed; then
     > /tmp/federation.log 2>&1; echo "gpu_federation.py rc=$?" >> /tmp/federation.log
   cat /tmp/federation.log >> "$OUT/bench.log"; tail -16 /tmp/federation.log
 fi
+if has prof; then
+  stamp "bench/gpu_round_profile.py"
+  timeout ${PROF_LIMIT:-60} $PY -P bench/gpu_round_profile.py --out "$OUT/gpu_round_profile.json" > /tmp/prof.log 2>&1
+  echo "gpu_round_profile.py rc=$?" >> /tmp/prof.log
+  cat /tmp/prof.log >> "$OUT/bench.log"; tail -30 /tmp/prof.log
+fi
 if has ncu; then
   stamp "ncu"
-  timeout 45 ncu --clock-control none --kernel-name regex:glm_ --launch-skip 1 --launch-count 2 \
-    --section SpeedOfLight --metrics launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active,dram__bytes_read.sum,dram__bytes_write.sum \
+  # the GLM kernels only (glm_kernel, glm_warp*: not glm_screen_kernel, which the untrusted calls
+  # launch first), the full-batch and the B = 20 call; the stall reasons say what bounds them
+  timeout ${NCU_LIMIT:-60} ncu --clock-control none --kernel-name "regex:glm_(warp|kernel)" --launch-skip 1 --launch-count 2 \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
+    --section MemoryWorkloadAnalysis --metrics launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active,dram__bytes_read.sum,dram__bytes_write.sum \
     $PY -P bench/gpu_ncu_target.py > "$OUT/ncu.txt" 2>&1
   echo "ncu rc=$?" >> "$OUT/ncu.txt"
-  grep -E "glm_kernel|Throughput|Duration|registers|warps_active|dram__bytes|ncu rc" "$OUT/ncu.txt" | head -40
+  grep -E "glm_|Throughput|Duration|registers|warps_active|Achieved Occupancy|Theoretical Occupancy|Block Limit|Stall|Warp Cycles|Issued Ipc|No Eligible|dram__bytes|ncu rc" "$OUT/ncu.txt" | head -70
 fi
 stamp "done"

@@ -19,7 +19,9 @@
 
 #include <atomic>
 #include <cstdint>
+#include <random>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "../csrc/cpu/dispatch.h"
@@ -263,6 +265,57 @@ int64_t clip_and_sum_t(ptr_t updates, int64_t R, int64_t d, ptr_t weights, doubl
 #define PFL_DISPATCH(f64, fn, ...) ((f64) ? fn<double>(__VA_ARGS__) : fn<float>(__VA_ARGS__))
 
 }  // namespace
+
+// The first k entries of torch.randperm(n, generator) for a CPU generator seeded with `seed`, in O(k)
+// time and memory where torch.randperm takes O(n) (0.5 ms a round at 10^5 clients, 6.5 ms at 10^6:
+// the cost of sampling a round's clients). torch's CPU randperm, for n < 2^32 / 20, runs the
+// forward Fisher-Yates shuffle: for i = 0 .. n-2, z = gen.random() % (n - i), swap r[i] and r[i+z],
+// where gen.random() is the next 32-bit output of the standard mt19937 seeded with seed mod 2^32.
+// Position i is final after step i, so the first k steps give the first k entries; only the
+// positions a swap touched differ from r[i] = i, and a map holds those. Equal to torch's result
+// for every (n, k, seed) tests/test_sampling.py draws (a torch that changed its randperm would
+// fail there, not change runs silently).
+void randperm_prefix(int64_t n, int64_t k, uint64_t seed, ptr_t out_ptr) {
+  require(n >= 1 && n < int64_t(0xFFFFFFFFu / 20) && k >= 0 && k <= n && (out_ptr || k == 0), "randperm_prefix",
+          "expected 1 <= n < 2^32 / 20, 0 <= k <= n and an output of k values");
+  int64_t* out = as<int64_t>(out_ptr);
+  std::mt19937 gen(static_cast<uint32_t>(seed & 0xFFFFFFFFu));
+  // position -> value where they differ: a plain array once a large share of n is drawn, else an
+  // open-addressing table of at least 4k slots (a k-draw touches at most 2k positions)
+  const bool dense = k >= n / 8;
+  std::vector<int64_t> perm;
+  std::vector<int64_t> keys, vals;
+  uint64_t mask = 0;
+  if (dense) {
+    perm.resize(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) perm[i] = i;
+  } else {
+    uint64_t slots = 16;
+    while (slots < 4 * static_cast<uint64_t>(k)) slots <<= 1;
+    mask = slots - 1;
+    keys.assign(slots, -1);
+    vals.resize(slots);
+  }
+  auto slot = [&](int64_t pos) {  // the slot of pos, or the empty one where it would go
+    uint64_t h = (static_cast<uint64_t>(pos) * 0x9E3779B97F4A7C15ull) >> 17;
+    while (keys[h & mask] != -1 && keys[h & mask] != pos) ++h;
+    return h & mask;
+  };
+  for (int64_t i = 0; i < k; ++i) {
+    const int64_t j = i < n - 1 ? i + static_cast<int64_t>(gen() % static_cast<uint64_t>(n - i)) : i;
+    if (dense) {
+      out[i] = perm[j];  // position i is final
+      perm[j] = perm[i];
+      continue;
+    }
+    const uint64_t si = slot(i);
+    const int64_t vi = keys[si] == i ? vals[si] : i;
+    const uint64_t sj = slot(j);
+    out[i] = keys[sj] == j ? vals[sj] : j;
+    keys[sj] = j;  // position i is never read again: no need to store it
+    vals[sj] = vi;
+  }
+}
 
 PYBIND11_MODULE(_core, m) {
   // A PFLCORE_CPU_CAPABILITY this build or CPU cannot follow: no silent fallback to another level.
@@ -563,6 +616,9 @@ PYBIND11_MODULE(_core, m) {
     }
     raise_faults(faults);
   });
+  m.def("randperm_prefix", &randperm_prefix,
+        "out[:k] = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:k] for n < 2^32 / 20, in "
+        "O(k) time and memory: the first k swaps of torch's Fisher-Yates shuffle on the same mt19937 stream");
   m.def("average", [](bool f64, ptr_t theta, int64_t M, int64_t d, ptr_t weights, ptr_t rows, int64_t R, ptr_t out) {
     PFL_DISPATCH(f64, average_t, theta, M, d, weights, rows, R, out);
   });

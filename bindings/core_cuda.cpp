@@ -200,8 +200,8 @@ void check_glm(const std::string& op, int family, int64_t p, int64_t C, bool f64
         require_pointer(x, op, "x");
         require_pointer(y, op, "y");
         require_pointer(offsets, op, "offsets");
-        require_pointer(rows, op, "rows");
     }
+    // rows may be null: model row r is client r (the adapter passes none when every client is a row)
 }
 
 // The arguments local_steps and local_steps_screened share: the GLM's, the minibatches', the scratch's.

@@ -20,6 +20,7 @@ import torch
 
 from pflcore import checkpoint as ckpt
 from pflcore._checks import MAX_COUNT, all_finite
+from pflcore._sampling import randperm_prefix
 from pflcore import distributed, ops
 from pflcore.algorithms.base import Algorithm, Context, state_tensors
 from pflcore.data.federation import Federation
@@ -175,8 +176,7 @@ def _train_sample(ctx: Context) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
     if n <= TRAIN_SAMPLE_ROWS:
         rows, k = None, min(32, max(1, TRAIN_SAMPLE_ROWS // n))
     else:  # a fixed subset of the clients, one row each
-        g = torch.Generator().manual_seed((ctx.seed * 1_000_003 + 12_345) & 0x7FFFFFFFFFFFFFFF)
-        chosen = torch.randperm(n, generator=g)[:TRAIN_SAMPLE_ROWS].sort().values
+        chosen = randperm_prefix(n, TRAIN_SAMPLE_ROWS, (ctx.seed * 1_000_003 + 12_345) & 0x7FFFFFFFFFFFFFFF).sort().values
         lo = ctx.first_client
         rows = (chosen[(chosen >= lo) & (chosen < lo + ctx.m)] - lo).to(ctx.device)
         k = 1

@@ -88,3 +88,24 @@ def test_the_federation_benchmark_runs_its_code_paths_on_the_cpu(tmp_path):
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 0 and "no CUDA device" in r.stdout
         assert not os.path.exists(str(out) + "2")
+
+
+def test_the_round_profile_runs_its_code_paths_on_the_cpu(tmp_path):
+    """bench/gpu_round_profile.py --dry-run: both algorithms' rounds profiled on the CPU (host
+    counts; kernel times need a GPU) and the local_steps latencies, results written; without a
+    GPU and without --dry-run it says so and exits 0."""
+    import json
+    out = tmp_path / "prof.json"
+    r = subprocess.run([sys.executable, os.path.join(BENCH, "gpu_round_profile.py"), "--dry-run", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    assert [run["algorithm"].split("(")[0] for run in res["runs"]] == ["FedAvg", "PFedMe"]
+    for run in res["runs"]:
+        assert run["round_wall_s"] > 0 and run["host_counts_per_round"]["top-level aten ops"] > 0
+    # pFedMe's 20 local rounds each issue their own ops: many more than FedAvg's one call
+    fedavg, pfedme = (run["host_counts_per_round"]["top-level aten ops"] for run in res["runs"])
+    assert pfedme > 5 * fedavg
+    assert [c["steps"] for c in res["local_steps"]] == [20, 5] and all(c["median_s"] > 0 for c in res["local_steps"])
+    if not torch.cuda.is_available():
+        assert "no CUDA device" in _run_without_a_gpu("gpu_round_profile.py", tmp_path / "none.json")

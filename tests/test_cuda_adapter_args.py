@@ -128,7 +128,7 @@ def test_evaluate_without_batches_passes_none(adapter):
     adapter.evaluate(model, torch.zeros(3, model.d, dtype=torch.float64), data, None)
     a = _named(adapter.module.calls[0][1], _LEAD + _EVAL)
     assert a["batches"] is None and a["B"] == 0 and a["R"] == 3
-    assert torch.equal(a["rows"].t, torch.arange(3))  # rows materialized: the kernel indexes them
+    assert a["rows"] is None  # a null address: the kernel takes model row r as client r
 
 
 @pytest.mark.parametrize("rows", [None, torch.tensor([1, 1, 0, 2, 0])])
@@ -160,9 +160,11 @@ def test_bad_batches_are_refused_before_a_launch(adapter):
 
 
 @pytest.mark.parametrize("rows_needed,R,expect", [(0, 3, 0), (7, 3, 3), (2, 3, 2)])
-def test_local_steps_scratch_is_sized_by_the_module(adapter, rows_needed, R, expect):
+def test_local_steps_scratch_is_sized_by_the_module(adapter, monkeypatch, rows_needed, R, expect):
     """G's scratch: min(R, glm_scratch_rows) rows of d values from torch, none when the
-    parameters fit shared memory; the module is asked once per shape."""
+    parameters fit shared memory; the module is asked once per shape (the separate screen's
+    path: local_steps' own arguments)."""
+    monkeypatch.setenv("PFLCORE_CUDA_SCREEN", "separate")
     adapter.module._scratch_rows = rows_needed
     model, data = _glm(sizes=(2, 2, 2))
     theta = torch.zeros(R, model.d, dtype=torch.float64)
@@ -187,7 +189,10 @@ _SCREEN = ["theta", "n_theta", "anchor", "n_anchor", "grad_scale", "n_grad_scale
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_an_untrusted_glm_call_is_one_screen_call_before_its_launch(adapter, monkeypatch, family, dtype):
     """The module's glm_screen, once per call and before the launch, with every tensor by its
-    name and size; a clean screen (0) runs no exact pass, a trusted call no screen at all."""
+    name and size; a clean screen (0) runs no exact pass, a trusted call no screen at all.
+    PFLCORE_CUDA_SCREEN=separate: local_steps screens in its own module call too (by default its
+    screen and steps are one call: the next test)."""
+    monkeypatch.setenv("PFLCORE_CUDA_SCREEN", "separate")
     monkeypatch.setattr(_values, "glm_fault", lambda *a: pytest.fail("the torch screen ran"))
     monkeypatch.setattr(_cuda._faults, "glm_fault", lambda *a: pytest.fail("the exact pass ran on a clean screen"))
     adapter.module.screen_result = 0
@@ -224,11 +229,16 @@ _FUSED = _LEAD + ["batches", "B", "anchor", "anchor_shared", "grad_scale", "step
 
 
 @pytest.mark.parametrize("flagged", [False, True])
-def test_fused_screen_is_one_call_and_a_flag_runs_the_exact_checks(adapter, monkeypatch, flagged):
-    """PFLCORE_CUDA_SCREEN=fused: local_steps is one local_steps_screened call (no glm_screen, no
-    separate launch) with the rows materialized and every size the screen needs; a raised flag
-    (theta untouched) runs the exact checks, and after a false alarm the steps run unscreened."""
-    monkeypatch.setenv("PFLCORE_CUDA_SCREEN", "fused")
+@pytest.mark.parametrize("env", [None, "fused"])
+def test_fused_screen_is_one_call_and_a_flag_runs_the_exact_checks(adapter, monkeypatch, flagged, env):
+    """By default (and with PFLCORE_CUDA_SCREEN=fused, the name it had when opt-in) an untrusted
+    local_steps is one local_steps_screened call (no glm_screen, no separate launch) with the rows
+    as a null address and every size the screen needs; a raised flag (theta untouched) runs the
+    exact checks, and after a false alarm the steps run unscreened."""
+    if env is None:
+        monkeypatch.delenv("PFLCORE_CUDA_SCREEN", raising=False)
+    else:
+        monkeypatch.setenv("PFLCORE_CUDA_SCREEN", env)
     exact = []
     monkeypatch.setattr(_cuda._faults, "glm_fault", lambda *a: exact.append(a))
     adapter.module.fused_result = int(flagged)
@@ -244,7 +254,7 @@ def test_fused_screen_is_one_call_and_a_flag_runs_the_exact_checks(adapter, monk
     assert ops_called == (["local_steps_screened", "local_steps"] if flagged else ["local_steps_screened"])
     assert len(exact) == int(flagged)
     a = _named(adapter.module.calls[0][1], _FUSED)
-    assert a["theta"].t is theta and torch.equal(a["rows"].t, torch.arange(3)) and a["R"] == 3
+    assert a["theta"].t is theta and a["rows"] is None and a["R"] == 3
     assert a["batches"].t is batches and a["B"] == 3 and a["n_batches"] == batches.numel()
     assert a["anchor"].t is anchor and a["anchor_shared"] is False and a["n_anchor"] == anchor.numel()
     assert a["grad_scale"] is None and a["n_grad_scale"] == 0
@@ -309,10 +319,12 @@ _AVERAGE = ["theta", "weights", "rows", "M", "d", "R", "wsum", "out", "scratch",
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("rows", [None, torch.tensor([2, 0, 2, 4])])
-def test_average_is_one_launch_with_the_weight_sum_and_scratch(adapter, dtype, rows):
-    """theta and weights as they are, rows (a clamped copy: the kernel never sees an index out of
-    range), R, the float64 sum of the selected weights as the divisor, the output [d] of theta's
-    dtype and scratch sized by the module."""
+def test_average_is_one_launch_with_the_weight_sum_and_scratch(adapter, monkeypatch, dtype, rows):
+    """PFLCORE_CUDA_AVERAGE=torch (the torch screen around the kernels): theta and weights as they
+    are, rows (a clamped copy: the kernel never sees an index out of range), R, the float64 sum of
+    the selected weights as the divisor, the output [d] of theta's dtype and scratch sized by the
+    module."""
+    monkeypatch.setenv("PFLCORE_CUDA_AVERAGE", "torch")
     theta = torch.randn(5, 3, dtype=dtype)
     w = torch.rand(5, dtype=dtype) + 0.1
     out = adapter.average(theta, w, rows)
@@ -333,10 +345,11 @@ def test_average_is_one_launch_with_the_weight_sum_and_scratch(adapter, dtype, r
     assert a["dtype"] == str(dtype).replace("torch.", "")
 
 
-def test_average_faults_are_the_reference_ones(adapter):
-    """Bad rows and weights raise the reference's errors; no rows never launches. The stand-in
-    writes no mean: ``out`` holds whatever torch.empty gave, so only faults found before the
-    output matters are checked here (tests/gpu runs the NaN in theta)."""
+def test_average_faults_are_the_reference_ones(adapter, monkeypatch):
+    """PFLCORE_CUDA_AVERAGE=torch: bad rows and weights raise the reference's errors; no rows never
+    launches. The stand-in writes no mean: ``out`` holds whatever torch.empty gave, so only faults
+    found before the output matters are checked here (tests/gpu runs the NaN in theta)."""
+    monkeypatch.setenv("PFLCORE_CUDA_AVERAGE", "torch")
     theta = torch.randn(4, 3)
     w = torch.ones(4)
     with pytest.raises(ValueError, match=r"rows: expected indices in \[0, 4\), got rows\[1\] = 4"):
@@ -357,12 +370,16 @@ _AVERAGE_FUSED = ["theta", "weights", "rows", "M", "d", "R", "out", "scratch", "
 
 
 @pytest.mark.parametrize("rows", [None, torch.tensor([2, 0, 2, 7])])
-def test_fused_average_is_one_call_with_the_raw_rows_and_its_flag(adapter, monkeypatch, rows):
-    """PFLCORE_CUDA_AVERAGE=fused: one average_fused call (no torch screen before it) with the
+@pytest.mark.parametrize("env", [None, "fused"])
+def test_fused_average_is_one_call_with_the_raw_rows_and_its_flag(adapter, monkeypatch, rows, env):
+    """By default (and with PFLCORE_CUDA_AVERAGE=fused, its opt-in name): one average_fused call (no torch screen before it) with the
     rows as the caller gave them (the kernel clamps and flags them), scratch sized by the module,
     an int32 flag; a raised flag runs the exact checks (an index out of range raises the reference's
     error), a clear one returns the output as it is."""
-    monkeypatch.setenv("PFLCORE_CUDA_AVERAGE", "fused")
+    if env is None:
+        monkeypatch.delenv("PFLCORE_CUDA_AVERAGE", raising=False)
+    else:
+        monkeypatch.setenv("PFLCORE_CUDA_AVERAGE", env)
     monkeypatch.setattr(_values, "average_screen", lambda *a: pytest.fail("the torch screen ran"))
     theta = torch.randn(5, 3)
     w = torch.rand(5) + 0.1
@@ -386,7 +403,7 @@ def test_fused_average_is_one_call_with_the_raw_rows_and_its_flag(adapter, monke
 
 
 def test_fused_average_without_rows_launches_nothing(adapter, monkeypatch):
-    monkeypatch.setenv("PFLCORE_CUDA_AVERAGE", "fused")
+    monkeypatch.delenv("PFLCORE_CUDA_AVERAGE", raising=False)
     with pytest.raises(ValueError, match="sum to 0"):
         adapter.average(torch.randn(4, 3), torch.ones(4), torch.zeros(0, dtype=torch.int64))
     assert adapter.module.calls == []
@@ -423,7 +440,8 @@ def test_every_tensor_handed_to_the_module_is_alive_at_the_launch(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device", lambda dev: contextlib.nullcontext())
     model, data = _glm(torch.float32)
     theta = torch.zeros(3, model.d)
-    a.local_steps(model, theta, data, None, None, None, None, 2, 0.1, 0.0)  # rows materialized here
+    a.local_steps(model, theta, data, None, None, None, None, 2, 0.1, 0.0)
+    a.local_steps(model, theta, data, torch.tensor([2, 0]), None, None, None, 2, 0.1, 0.0, trusted=True)
     a.gradients(model, theta, data, None, None)
     a.evaluate(model, theta, data, None)
     a.evaluate(model, theta[0], data, None)  # a shared model

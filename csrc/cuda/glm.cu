@@ -27,6 +27,7 @@
 // half-warp (double) on distinct banks; with ws = C = 16 they hit 2 banks (16-way conflicts).
 // The padding moves values, never changes a sum, so results are the same bits as unpadded.
 
+#include <cuda_pipeline.h>  // glm_warp.cuh: cp.async (warp_fast); included here, outside the namespace
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -58,7 +59,7 @@ struct GlmArgs {
     const T* x;                // [N, p]
     const void* y;             // [N] T (least squares) or int64 labels
     const int64_t* offsets;    // [m + 1]
-    const int64_t* rows;       // [R] client of each model row
+    const int64_t* rows;       // [R] client of each model row, or null: row r is client r
     int64_t R;
     T* theta;                  // [R, d], or [d] for every row (theta_stride 0); written only by local steps
     int64_t theta_stride;      // d, or 0: one shared model (gradients, evaluate)
@@ -143,7 +144,10 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<F, T, M>)) glm_kernel(co
     // without a 64-bit division per parameter (a long emulated sequence on the GPU)
 
     for (int64_t r = blockIdx.x; r < a.R; r += gridDim.x) {
-        const int64_t client = a.rows[r];
+        // null rows: model row r is client r. (Written with the address first: `a.rows ? a.rows[r]
+        // : r` made sm_80's float64 least-squares and logistic local steps spill 28 bytes.)
+        const int64_t* const row_of = a.rows ? a.rows + r : nullptr;
+        const int64_t client = row_of ? *row_of : r;
         const int64_t lo = a.offsets[client], n = a.offsets[client + 1] - lo;
         const int64_t nb = a.batches ? a.B : n;
         T* theta_r = a.theta + r * a.theta_stride;  // [d]

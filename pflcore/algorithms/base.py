@@ -27,6 +27,7 @@ from typing import Optional, Tuple
 import torch
 
 from pflcore import distributed, ops
+from pflcore._sampling import randperm_prefix
 from pflcore._checks import MAX_COUNT
 from pflcore.ops.average import run_average
 from pflcore.ops.evaluate import run_evaluate
@@ -133,11 +134,12 @@ class Context:
         poisson = self.privacy is not None and self.privacy.privacy.sampling == "poisson"
         if self.clients_per_round is None or self.clients_per_round >= n:
             return torch.arange(self.m, device=self.device)
-        g = torch.Generator().manual_seed((self.seed * 1_000_003 + t * 7919 + 17) & 0x7FFFFFFFFFFFFFFF)
+        seed = (self.seed * 1_000_003 + t * 7919 + 17) & 0x7FFFFFFFFFFFFFFF
         if poisson:  # DP's Poisson cohorts: each client independently with probability k / N
+            g = torch.Generator().manual_seed(seed)
             chosen = torch.nonzero(torch.rand(n, generator=g, dtype=torch.float64) < self.clients_per_round / n)[:, 0]
-        else:
-            chosen = torch.randperm(n, generator=g)[: self.clients_per_round].sort().values
+        else:  # torch.randperm(n, seeded)[:k], bitwise, in O(k) (pflcore/_sampling.py)
+            chosen = randperm_prefix(n, self.clients_per_round, seed).sort().values
         if self.m != n:  # keep this rank's clients, as local indices
             lo = self.first_client
             chosen = chosen[(chosen >= lo) & (chosen < lo + self.m)] - lo

@@ -11,11 +11,14 @@ device: one extra read of the inputs and one synchronization per call; ``average
 its output instead of making a pass over theta). The untrusted GLM calls (local_steps,
 gradients, evaluate) screen with the module's ``glm_screen`` instead: one binding call, one
 kernel and one host read in place of the torch screen's ~20 small ops (~5-8 µs of launch time
-each); a flag runs the exact checks of ``_faults.py`` as the torch screen's does.
-PFLCORE_CUDA_SCREEN=torch keeps the torch screen (for A/B timing, and as a fallback); a module
-built without ``glm_screen`` uses it too. PFLCORE_CUDA_SCREEN=fused (local_steps only, not yet
-run on a GPU): the screen and the steps in one module call with one synchronization, the steps'
-kernel a no-op when the screen flags.
+each); a flag runs the exact checks of ``_faults.py`` as the torch screen's does. An untrusted
+local_steps queues the screen and the steps in one module call with one synchronization (the
+steps' kernel does nothing when the screen flags); PFLCORE_CUDA_SCREEN=separate makes them two
+module calls, =torch keeps the torch screen (for A/B timing, and as a fallback); a module built
+without ``glm_screen`` uses it too. ``average`` screens inside its two kernels and reads one flag
+back; PFLCORE_CUDA_AVERAGE=torch keeps the torch screen around them. Both became the defaults
+after the 2026-11-27 H100 run (tests/gpu and compute-sanitizer clean; the one-client call 127 ->
+110 µs, ``average`` 21.9% -> 53% of the copy bandwidth).
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ from typing import Callable, List, Optional
 import torch
 
 from pflcore.backends import _faults, _values
-from pflcore.backends.base import Adapter, all_rows, evaluation_outputs, label_segments
+from pflcore.backends.base import Adapter, evaluation_outputs, label_segments
 from pflcore.errors import CudaKernelError
 
 
@@ -55,8 +58,15 @@ def dtype_name(t: torch.Tensor) -> str:
     return _dtype(t.dtype)
 
 
+# torch's raw handle of a device's current stream, without building a Stream object (a few µs a
+# call on the H100 host, on every launch); the public route where a torch lacks it
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def stream(t: torch.Tensor) -> int:
     """Handle of the current stream on ``t``'s device: kernels queue behind torch's work."""
+    if _raw_stream is not None:
+        return _raw_stream(t.get_device())
     return torch.cuda.current_stream(t.device).cuda_stream
 
 
@@ -132,11 +142,12 @@ def model_rows(theta: torch.Tensor, data, rows: Optional[torch.Tensor]) -> int:
     return theta.shape[0]
 
 
-def glm_args(model, theta: torch.Tensor, data, rows: torch.Tensor) -> tuple:
+def glm_args(model, theta: torch.Tensor, data, rows: Optional[torch.Tensor]) -> tuple:
     """The leading arguments of _core_cuda.local_steps / gradients / evaluate, up to R. ``rows``
-    must be materialized by the caller (``all_rows``) and held until the launch: only its
-    address goes to the module, so a temporary made here would be freed before the kernel reads
-    it (compute-sanitizer's memcheck on an H100 caught that)."""
+    None goes as a null address: the kernels then take model row r as client r (no ``arange``
+    of the clients, which cost a launch and an allocation on every such call). A tensor made here
+    would be freed before the kernel reads it (only its address goes to the module;
+    compute-sanitizer's memcheck on an H100 caught that), so nothing is."""
     dev, dt = theta.device, theta.dtype
     y_dtype = torch.int64 if model.is_classifier else dt
     return (model.code, model.p, model.C, model.fit_intercept, model.l2, ptr(theta, "theta", dev, dt),
@@ -238,7 +249,7 @@ class CudaAdapter(Adapter):
     def local_steps(self, model, theta, data, rows, batches, anchor, grad_scale, steps, lr, prox, trusted=False):
         if steps == 0:
             return
-        if not trusted and os.environ.get("PFLCORE_CUDA_SCREEN", "") == "fused" and \
+        if not trusted and os.environ.get("PFLCORE_CUDA_SCREEN", "") not in ("separate", "torch") and \
                 hasattr(self.module, "local_steps_screened"):
             if self._local_steps_screened(model, theta, data, rows, batches, anchor, grad_scale, steps, lr, prox):
                 return
@@ -249,7 +260,6 @@ class CudaAdapter(Adapter):
         if not trusted:  # the run's own draws: no pre-pass, no host sync (see _values.py)
             self._screen(model, theta, data, rows, batches, anchor, grad_scale)
         dev, dt = theta.device, theta.dtype
-        rows = all_rows(data, rows)  # held until the launch (glm_args passes its address)
         with torch.cuda.device(dev):
             # G of each resident block when W and G do not fit shared memory: [min(R, rows), d]
             n_scratch = min(theta.shape[0], self._scratch_rows(model, dt, dev))
@@ -261,18 +271,16 @@ class CudaAdapter(Adapter):
                    n_scratch, dtype_name(theta), stream(theta))
 
     def _local_steps_screened(self, model, theta, data, rows, batches, anchor, grad_scale, steps, lr, prox) -> bool:
-        """PFLCORE_CUDA_SCREEN=fused: the screen and the steps in one module call with one
-        synchronization (the steps' kernel does nothing when the screen flags). True when the steps
-        ran; False when the screen flagged and theta was not written. Not the default until a GPU
-        has run it."""
+        """The screen and the steps in one module call with one synchronization (the steps' kernel
+        does nothing when the screen flags). True when the steps ran; False when the screen flagged
+        and theta was not written."""
         dev, dt = theta.device, theta.dtype
         x, y, offsets = data.x, data.y, data.offsets
-        rows_all = all_rows(data, rows)  # held until the call returns (only its address goes)
         with torch.cuda.device(dev):  # the scratch rows are asked of the call's device
             n_scratch = min(theta.shape[0], self._scratch_rows(model, dt, dev))
             buf = scratch(n_scratch * model.d, dt, dev) if n_scratch else None
             flag = scratch(1, torch.int32, dev)
-            args = glm_args(model, theta, data, rows_all) + (
+            args = glm_args(model, theta, data, rows) + (
                 ptr(batches, "batches", dev, torch.int32), 0 if batches is None else batches.shape[2],
                 ptr(anchor, "anchor", dev, dt), anchor is not None and anchor.dim() == 1,
                 ptr(grad_scale, "grad_scale", dev, dt), steps, lr, prox, ptr(buf, "scratch", dev, dt), n_scratch,
@@ -289,7 +297,6 @@ class CudaAdapter(Adapter):
         if not trusted:  # the run's own draws: no pre-pass, no host sync (see _values.py)
             self._screen(model, theta, data, rows, batches)
         dev = theta.device
-        rows = all_rows(data, rows)  # held until the launch (glm_args passes its address)
         out = torch.empty(model_rows(theta, data, rows), model.d, dtype=theta.dtype, device=dev)
         with torch.cuda.device(dev):
             launch("gradients", self.module.gradients, *glm_args(model, theta, data, rows), theta.dim() == 1,
@@ -302,7 +309,6 @@ class CudaAdapter(Adapter):
         if not trusted:  # the run's own draws: no pre-pass, no host sync (see _values.py)
             self._screen(model, theta, data, rows, batches)
         dev = theta.device
-        rows = all_rows(data, rows)  # held until the launch (glm_args passes its address)
         loss, correct, count = evaluation_outputs(model_rows(theta, data, rows), theta.dtype, dev)
         with torch.cuda.device(dev):
             launch("evaluate", self.module.evaluate, *glm_args(model, theta, data, rows), theta.dim() == 1,
@@ -392,15 +398,15 @@ class CudaAdapter(Adapter):
         return G.cpu()
 
     def average(self, theta, weights, rows):
-        if os.environ.get("PFLCORE_CUDA_AVERAGE", "") == "fused" and hasattr(self.module, "average_fused"):
+        if os.environ.get("PFLCORE_CUDA_AVERAGE", "") != "torch" and hasattr(self.module, "average_fused"):
             return self._average_fused(theta, weights, rows)
         return self._average_screened(theta, weights, rows)
 
     def _average_fused(self, theta, weights, rows):
-        """PFLCORE_CUDA_AVERAGE=fused: the same two launches with the screen inside them (rows
-        clamped and flagged, weights flagged and summed per chunk, the mean's finiteness) and one
-        host read of their flag, in place of ~8 torch ops around them (on an H100 those took 327
-        µs, the kernels 119.5). Not the default until a GPU has run it."""
+        """Two launches with the screen inside them (rows clamped and flagged, weights flagged and
+        summed per chunk, the mean's finiteness) and one host read of their flag, in place of ~8
+        torch ops around them (on an H100: 161 µs a call at 10^5 x 610 against 315 with the torch
+        screen, whose ops took more than the kernels)."""
         if rows is not None and rows.numel() == 0:
             _values.average_fault(theta, weights, rows)  # the weights of no rows sum to 0: raises
         M, d = theta.shape
@@ -422,7 +428,7 @@ class CudaAdapter(Adapter):
         return out
 
     def _average_screened(self, theta, weights, rows):
-        """Two launches (chunks' partial sums, then their sum over chunks) and one host read: the
+        """PFLCORE_CUDA_AVERAGE=torch, or a module without average_fused: two launches (chunks' partial sums, then their sum over chunks) and one host read: the
         weights, rows and weight sum are screened on the device before the launch, a NaN or inf
         of theta after it, in the mean (no extra pass over theta)."""
         if rows is not None and rows.numel() == 0:

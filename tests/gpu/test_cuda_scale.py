@@ -197,21 +197,27 @@ def test_local_steps_through_the_global_scratch(dtype):
 
 # (family, p, C, sizes): P = p + intercept (odd p) at the warp kernel's edges: 2 parameter rows
 # a lane (P <= 64) and 4 (P = 101, 128), C = 1, 10 and 16 (the registers' capacity), the block
-# kernel past them (P = 129, C = 17); clients of 1 row, of fewer and more than a chunk's 32
+# kernel past them (P = 129, C = 17); clients of 1 row, of fewer and more than a chunk's 32.
+# warp_fast's class widths: 1 (C = 1, softmax too), 4 (C = 3), 8 (C = 7), 12 (C = 10), 16; odd p
+# with an intercept (9, 33): its X rows hold P = p + 1 values, one more than glm_warp_kernel's
 WARP_EDGE_CASES = [("least_squares", 128, 1, [1, 33, 64]), ("logistic", 63, 1, [2, 31, 40]),
                    ("softmax", 60, 10, None), ("softmax", 101, 16, [1, 32, 70]), ("softmax", 127, 16, [5, 33]),
-                   ("softmax", 129, 3, [4, 40]), ("softmax", 20, 17, [3, 35])]
+                   ("softmax", 129, 3, [4, 40]), ("softmax", 20, 17, [3, 35]),
+                   ("softmax", 9, 3, [2, 33]), ("softmax", 33, 7, [31, 65]), ("softmax", 6, 1, [3, 40])]
 
 
-@pytest.mark.parametrize("kernel", ["warp", "warp_batched", "block"])
+@pytest.mark.parametrize("kernel", ["default", "warp_rows", "warp_fast", "block"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("family,p,C,sizes", WARP_EDGE_CASES)
 def test_both_glm_kernels_equal_the_reference(monkeypatch, kernel, dtype, family, p, C, sizes):
     """local_steps (full batch, and minibatches with a per-row anchor and grad_scale), gradients
     and evaluate (per-row and shared models) through the warp kernel where the shape allows it
-    (with its batched staging when PFLCORE_CUDA_GLM=warp_batched) and through the block kernel
+    (by default with its batched staging; one row at a time when PFLCORE_CUDA_GLM=warp_rows; its
+    variant with the class
+    count in the template and cp.async staging, glm_warp_fast_kernel, when warp_fast: C = 1, 10
+    and 16 take its widths 1, 12 and 16, C = 17 the block kernel) and through the block kernel
     when PFLCORE_CUDA_GLM=block; a second call is bitwise equal."""
-    if kernel == "warp":
+    if kernel == "default":
         monkeypatch.delenv("PFLCORE_CUDA_GLM", raising=False)
     else:
         monkeypatch.setenv("PFLCORE_CUDA_GLM", kernel)

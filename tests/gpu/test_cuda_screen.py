@@ -157,7 +157,8 @@ def test_the_screen_is_skipped_for_trusted_calls_and_the_torch_one_is_kept(monke
     assert isinstance(backend.adapter("cuda"), _cuda.CudaAdapter)
 
 
-# ---- PFLCORE_CUDA_SCREEN=fused: local_steps and its screen in one module call ----------------
+# ---- local_steps and its screen in one module call (the default; PFLCORE_CUDA_SCREEN=fused was its
+# opt-in name, =separate makes them two module calls) ------------------------------------------
 
 STEPS_CASES = [c for c in CASES if c.values[2] == "steps"]
 
@@ -169,7 +170,7 @@ def test_fused_screen_faults_are_the_reference_ones_and_theta_is_untouched(monke
     """A fault in a minibatch local_steps call: the reference's error, and the device theta as it
     was (the steps' kernel did nothing behind the flag)."""
     require("cuda")
-    monkeypatch.setenv("PFLCORE_CUDA_SCREEN", "fused")
+    monkeypatch.delenv("PFLCORE_CUDA_SCREEN", raising=False)
     c = _edited(family, dtype, edit)
     with pytest.raises(ValueError) as want:
         _run(call, c, ref=True)
@@ -187,7 +188,7 @@ def test_fused_screen_faults_are_the_reference_ones_and_theta_is_untouched(monke
 @pytest.mark.parametrize("family", ["softmax", "logistic", "least_squares"])
 def test_fused_screen_on_clean_inputs_is_the_module_screens_result(monkeypatch, dtype, family):
     """Clean inputs: the fused call's theta equals the reference's and is bitwise the one of the
-    separate screen (the same kernel), full batch and minibatches."""
+    separate screen (PFLCORE_CUDA_SCREEN=separate: the same kernel), full batch and minibatches."""
     require("cuda")
     c = _case(family, dtype)
     d = _on(c, GPU)
@@ -199,9 +200,9 @@ def test_fused_screen_on_clean_inputs_is_the_module_screens_result(monkeypatch, 
         got = {}
         for screen in ("module", "fused"):
             if screen == "fused":
-                monkeypatch.setenv("PFLCORE_CUDA_SCREEN", "fused")
-            else:
                 monkeypatch.delenv("PFLCORE_CUDA_SCREEN", raising=False)
+            else:
+                monkeypatch.setenv("PFLCORE_CUDA_SCREEN", "separate")
             with backend.use("cuda"):
                 got[screen] = ops.local_steps(d["model"], d["theta"][:R].clone(), d["data"], steps=2 if not kw else 1,
                                               lr=0.05, **kw)

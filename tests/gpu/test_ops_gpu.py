@@ -214,12 +214,12 @@ def _average_rows(m, rows, g):
 
 @pytest.fixture(params=["screened", "fused"])
 def average_path(request, monkeypatch):
-    """The cuda average with the torch screen around its kernels (default) and with the screen
-    in them (PFLCORE_CUDA_AVERAGE=fused)."""
+    """The cuda average with the screen in its kernels (the default) and with the torch screen
+    around them (PFLCORE_CUDA_AVERAGE=torch)."""
     if request.param == "fused":
-        monkeypatch.setenv("PFLCORE_CUDA_AVERAGE", "fused")
-    else:
         monkeypatch.delenv("PFLCORE_CUDA_AVERAGE", raising=False)
+    else:
+        monkeypatch.setenv("PFLCORE_CUDA_AVERAGE", "torch")
     return request.param
 
 
