@@ -44,6 +44,8 @@ def parse_args(argv=None):
     ap.add_argument("--cpu-threads", type=int, default=os.cpu_count(), help="torch and OpenMP threads of the CPU runs")
     ap.add_argument("--memory-clients", type=int, default=1_000_000,
                     help="second size of the memory line (0: skip the extrapolation)")
+    ap.add_argument("--glm-variants", nargs="*", default=["warp_fast"],
+                    help="PFLCORE_CUDA_GLM values whose GPU runs are repeated after the default's (A/B)")
     ap.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU (checks the script)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -134,6 +136,19 @@ def main(argv=None) -> int:
                       f"{r['evaluate_s'] * 1e3:8.2f} ms an evaluation, accuracy {r['accuracy']}", flush=True)
                 if device == "cuda":
                     torch.cuda.empty_cache()
+    if "cuda" in args.devices:  # the GPU runs again with each other GLM kernel, the default's A/B
+        from _harness import environ
+        for variant in args.glm_variants:
+            for alg in algorithms():
+                for cohort in args.cohorts:
+                    with environ(PFLCORE_CUDA_GLM=variant):
+                        r = one_run(alg, fed, "cuda", cohort, args.rounds, args.eval_every)
+                    r["glm_kernel"] = variant
+                    res.setdefault("variant_runs", []).append(r)
+                    print(f"  cuda {alg.name:7s} {cohort:5d}/round, PFLCORE_CUDA_GLM={variant}: "
+                          f"{r['round_s'] * 1e3:9.2f} ms a round, {r['evaluate_s'] * 1e3:8.2f} ms an evaluation, "
+                          f"accuracy {r['accuracy']}", flush=True)
+                    torch.cuda.empty_cache()
     by = {(r["device"], r["algorithm"].split("(")[0], r["clients_per_round"]): r for r in res["runs"]}
     res["speedup"] = []
     for (dev, name, cohort), r in by.items():
@@ -142,6 +157,13 @@ def main(argv=None) -> int:
             res["speedup"].append({"algorithm": name, "clients_per_round": cohort,
                                    "round": cpu["round_s"] / r["round_s"],
                                    "evaluation": cpu["evaluate_s"] / r["evaluate_s"]})
+    for r in res.get("variant_runs", []):
+        cpu = by.get(("cpu", r["algorithm"].split("(")[0], r["clients_per_round"]))
+        if cpu is not None:
+            res.setdefault("variant_speedup", []).append(
+                {"glm_kernel": r["glm_kernel"], "algorithm": r["algorithm"].split("(")[0],
+                 "clients_per_round": r["clients_per_round"], "round": cpu["round_s"] / r["round_s"],
+                 "evaluation": cpu["evaluate_s"] / r["evaluate_s"]})
     if "cuda" in args.devices and args.memory_clients:
         del fed
         big, gen_big = _federation(args.memory_clients)
@@ -168,6 +190,9 @@ def main(argv=None) -> int:
     for s in res["speedup"]:
         print(f"  {s['algorithm']:7s} {s['clients_per_round']:5d}/round: {s['round']:6.1f}x a round, "
               f"{s['evaluation']:6.1f}x an evaluation")
+    for s in res.get("variant_speedup", []):
+        print(f"  {s['algorithm']:7s} {s['clients_per_round']:5d}/round, PFLCORE_CUDA_GLM={s['glm_kernel']}: "
+              f"{s['round']:6.1f}x a round, {s['evaluation']:6.1f}x an evaluation")
     out = args.out or (None if args.dry_run else os.path.join(HERE, "results", "gpu_federation.json"))
     if out:
         write_json(out, res)

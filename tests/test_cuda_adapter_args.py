@@ -84,7 +84,7 @@ def adapter(monkeypatch):
     monkeypatch.setattr(a, "_state", (mod, ""))
     monkeypatch.setattr(_cuda, "ptr", lambda t, name, device, dtype=None: None if t is None else _Ptr(t, name))
     monkeypatch.setattr(_cuda, "stream", lambda t: 0)
-    monkeypatch.setattr(torch.cuda, "device", lambda dev: contextlib.nullcontext())
+    monkeypatch.setattr(_cuda, "on_device", lambda dev: contextlib.nullcontext())
     monkeypatch.setattr(_values, "one_per_row", lambda *a: pytest.fail("one_per_row copies a shared model"))
     return a
 
@@ -437,7 +437,7 @@ def test_every_tensor_handed_to_the_module_is_alive_at_the_launch(monkeypatch):
     monkeypatch.setattr(a, "_state", (_Checking(), ""))
     monkeypatch.setattr(_cuda, "ptr", lambda t, name, device, dtype=None: None if t is None else _Alive(t, name))
     monkeypatch.setattr(_cuda, "stream", lambda t: 0)
-    monkeypatch.setattr(torch.cuda, "device", lambda dev: contextlib.nullcontext())
+    monkeypatch.setattr(_cuda, "on_device", lambda dev: contextlib.nullcontext())
     model, data = _glm(torch.float32)
     theta = torch.zeros(3, model.d)
     a.local_steps(model, theta, data, None, None, None, None, 2, 0.1, 0.0)
@@ -448,3 +448,25 @@ def test_every_tensor_handed_to_the_module_is_alive_at_the_launch(monkeypatch):
     a.sample_batches(data, None, 2, 3, 0, 0)
     a.average(theta, torch.ones(3), None)
     assert not dead, f"freed before the kernel could read them: {dead}"
+
+
+def test_the_screen_flag_is_one_per_thread_and_device_and_reused(adapter):
+    """The GLM screens' int32 flag: the same tensor on every call of a thread (the module zeroes it
+    before each screen and reads it back before returning), another one in another thread."""
+    import threading
+    model, data = _glm(torch.float32)
+    theta = torch.zeros(3, model.d)
+    adapter.module.fused_result = 0
+    flags = []
+
+    def two_calls():
+        for _ in range(2):
+            adapter.local_steps(model, theta, data, None, None, None, None, 1, 0.1, 0.0)
+            flags.append(_named(adapter.module.calls[-1][1], _FUSED)["flag"].t)
+
+    two_calls()
+    t = threading.Thread(target=two_calls)
+    t.start()
+    t.join()
+    assert len(flags) == 4 and flags[0] is flags[1] and flags[2] is flags[3] and flags[0] is not flags[2]
+    assert all(f.dtype == torch.int32 and f.numel() == 1 for f in flags)

@@ -22,8 +22,10 @@ after the 2026-11-27 H100 run (tests/gpu and compute-sanitizer clean; the one-cl
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
+import threading
 from typing import Callable, List, Optional
 
 import torch
@@ -68,6 +70,34 @@ def stream(t: torch.Tensor) -> int:
     if _raw_stream is not None:
         return _raw_stream(t.get_device())
     return torch.cuda.current_stream(t.device).cuda_stream
+
+
+_SAME_DEVICE = contextlib.nullcontext()
+
+
+def on_device(dev: torch.device):
+    """``torch.cuda.device(dev)`` where ``dev`` is not the current device, else a no-op context: the
+    module launches on the current device, and entering and leaving torch's context costs a few µs
+    on every call, most of which find the device already current."""
+    if dev.type != "cuda":  # before anything reads its memory: a CPU tensor is the caller's mistake
+        raise ValueError(f"the CUDA kernels take CUDA tensors, got one on {dev} (a cuda device is expected)")
+    if dev.index is None or dev.index == torch.cuda.current_device():
+        return _SAME_DEVICE
+    return torch.cuda.device(dev)
+
+
+_screen_flags = threading.local()
+
+
+def screen_flag(dev: torch.device) -> torch.Tensor:
+    """The int32 [1] flag of the GLM screens on ``dev``, one per thread and device, reused: the module
+    zeroes it before each screen and reads it back before the call returns, so a thread's calls never
+    overlap on it (an allocation per call cost ~3 µs of a one-client call's ~100)."""
+    flags = _screen_flags.__dict__.setdefault("by_device", {})
+    flag = flags.get(dev)
+    if flag is None:
+        flag = flags[dev] = scratch(1, torch.int32, dev)
+    return flag
 
 
 _HINT = ("Run `pflcore info` to see the device and the architectures the module was built for; "
@@ -237,8 +267,8 @@ class CudaAdapter(Adapter):
                 ptr(offsets, "offsets", dev, torch.int64), m, ptr(rows, "rows", dev, torch.int64),
                 m if rows is None else rows.numel(), ptr(batches, "batches", dev, torch.int32),
                 0 if batches is None else batches.numel())
-        flag = scratch(1, torch.int32, dev)
-        with torch.cuda.device(dev):
+        flag = screen_flag(dev)
+        with on_device(dev):
             try:
                 return int(self.module.glm_screen(*args, ptr(flag, "flag", dev, torch.int32), dtype_name(theta),
                                                   stream(theta)))
@@ -260,7 +290,7 @@ class CudaAdapter(Adapter):
         if not trusted:  # the run's own draws: no pre-pass, no host sync (see _values.py)
             self._screen(model, theta, data, rows, batches, anchor, grad_scale)
         dev, dt = theta.device, theta.dtype
-        with torch.cuda.device(dev):
+        with on_device(dev):
             # G of each resident block when W and G do not fit shared memory: [min(R, rows), d]
             n_scratch = min(theta.shape[0], self._scratch_rows(model, dt, dev))
             buf = scratch(n_scratch * model.d, dt, dev) if n_scratch else None
@@ -276,10 +306,10 @@ class CudaAdapter(Adapter):
         and theta was not written."""
         dev, dt = theta.device, theta.dtype
         x, y, offsets = data.x, data.y, data.offsets
-        with torch.cuda.device(dev):  # the scratch rows are asked of the call's device
+        with on_device(dev):  # the scratch rows are asked of the call's device
             n_scratch = min(theta.shape[0], self._scratch_rows(model, dt, dev))
             buf = scratch(n_scratch * model.d, dt, dev) if n_scratch else None
-            flag = scratch(1, torch.int32, dev)
+            flag = screen_flag(dev)
             args = glm_args(model, theta, data, rows) + (
                 ptr(batches, "batches", dev, torch.int32), 0 if batches is None else batches.shape[2],
                 ptr(anchor, "anchor", dev, dt), anchor is not None and anchor.dim() == 1,
@@ -298,7 +328,7 @@ class CudaAdapter(Adapter):
             self._screen(model, theta, data, rows, batches)
         dev = theta.device
         out = torch.empty(model_rows(theta, data, rows), model.d, dtype=theta.dtype, device=dev)
-        with torch.cuda.device(dev):
+        with on_device(dev):
             launch("gradients", self.module.gradients, *glm_args(model, theta, data, rows), theta.dim() == 1,
                    ptr(batches, "batches", dev, torch.int32), 0 if batches is None else batches.shape[1],
                    ptr(out, "out", dev, theta.dtype), dtype_name(theta), stream(theta))
@@ -310,7 +340,7 @@ class CudaAdapter(Adapter):
             self._screen(model, theta, data, rows, batches)
         dev = theta.device
         loss, correct, count = evaluation_outputs(model_rows(theta, data, rows), theta.dtype, dev)
-        with torch.cuda.device(dev):
+        with on_device(dev):
             launch("evaluate", self.module.evaluate, *glm_args(model, theta, data, rows), theta.dim() == 1,
                    ptr(batches, "batches", dev, torch.int32), 0 if batches is None else batches.shape[1],
                    ptr(loss, "loss", dev, theta.dtype), ptr(correct, "correct", dev, torch.int64),
@@ -326,7 +356,7 @@ class CudaAdapter(Adapter):
         dev = offsets.device
         R = offsets.shape[0] - 1 if clients is None else clients.shape[0]
         out = torch.empty(R, steps, batch_size, dtype=torch.int32, device=dev)
-        with torch.cuda.device(dev):
+        with on_device(dev):
             launch("sample_batches", self.module.sample_batches, ptr(offsets, "offsets", dev, torch.int64),
                    ptr(clients, "clients", dev, torch.int64), data.first_client, R, steps, batch_size, seed, counter,
                    ptr(out, "out", dev, torch.int32), stream(offsets))
@@ -338,7 +368,7 @@ class CudaAdapter(Adapter):
         labels = torch.empty(N, dtype=torch.int64, device=points.device)
         sqdist = torch.empty(N, dtype=points.dtype, device=points.device)
         dev, dt = points.device, points.dtype
-        with torch.cuda.device(dev):
+        with on_device(dev):
             launch("kmeans_assign", self.module.kmeans_assign, ptr(points, "points", dev, dt),
                    ptr(centroids, "centroids", dev, dt), ptr(labels, "labels", dev, torch.int64),
                    ptr(sqdist, "sqdist", dev, dt), N, centroids.shape[0], points.shape[1], dtype_name(points),
@@ -353,7 +383,7 @@ class CudaAdapter(Adapter):
         order, seg = label_segments(labels, K)
         dev, dt = points.device, points.dtype
         N, d = points.shape
-        with torch.cuda.device(dev):
+        with on_device(dev):
             buf = scratch(self.module.kmeans_update_scratch(N, K, d), torch.float64, dev)  # chunk partial sums
             launch("kmeans_update", self.module.kmeans_update, ptr(points, "points", dev, dt),
                    ptr(order, "order", dev, torch.int64), ptr(seg, "seg", dev, torch.int64),
@@ -367,7 +397,7 @@ class CudaAdapter(Adapter):
         dev, dt = u.device, u.dtype
         order = torch.tensor(slots, dtype=torch.int64, device=dev)
         dots = torch.empty(len(slots), dtype=torch.float64, device=dev)
-        with torch.cuda.device(dev):
+        with on_device(dev):
             buf = scratch(self.module.anderson_scratch(u.numel(), len(slots)), torch.float64, dev)
             launch("Anderson.step", self.module.anderson_push, ptr(u, "u", dev, dt), ptr(tu, "tu", dev, dt),
                    ptr(R_hist, "residual history", dev, dt), ptr(TU_hist, "image history", dev, dt), u.numel(),
@@ -381,7 +411,7 @@ class CudaAdapter(Adapter):
         order = torch.tensor(slots, dtype=torch.int64, device=dev)
         pi_dev = pi.to(dev)
         out = torch.empty(TU_hist.shape[1], dtype=dt, device=dev)
-        with torch.cuda.device(dev):
+        with on_device(dev):
             launch("Anderson.step", self.module.anderson_mix, ptr(TU_hist, "image history", dev, dt),
                    TU_hist.shape[1], ptr(order, "slots", dev, torch.int64), ptr(pi_dev, "pi", dev, torch.float64),
                    len(slots), ptr(out, "out", dev, dt), dtype_name(out), stream(out))
@@ -390,7 +420,7 @@ class CudaAdapter(Adapter):
     def gram(self, vecs):
         k, dev = vecs.shape[0], vecs.device
         G = torch.empty(k, k, dtype=torch.float64, device=dev)
-        with torch.cuda.device(dev):
+        with on_device(dev):
             buf = scratch(self.module.gram_scratch(vecs.shape[1], k), torch.float64, dev)
             launch("anderson_weights", self.module.gram, ptr(vecs, "residuals", dev, vecs.dtype), k, vecs.shape[1],
                    ptr(G, "G", dev, torch.float64), ptr(buf, "scratch", dev, torch.float64), dtype_name(vecs),
@@ -414,7 +444,7 @@ class CudaAdapter(Adapter):
         R = M if rows is None else rows.numel()
         out = torch.empty(d, dtype=dt, device=dev)
         flag = scratch(1, torch.int32, dev)
-        with torch.cuda.device(dev):
+        with on_device(dev):
             buf = scratch(self.module.average_fused_scratch(R, d), torch.float64, dev)
             try:
                 flagged = self.module.average_fused(
@@ -440,7 +470,7 @@ class CudaAdapter(Adapter):
         safe, wsum, flags = _values.average_screen(theta, weights, rows)
         R = M if rows is None else rows.numel()
         out = torch.empty(d, dtype=dt, device=dev)
-        with torch.cuda.device(dev):
+        with on_device(dev):
             buf = scratch(self.module.average_scratch(R, d), torch.float64, dev)  # chunk partial sums
             launch("average", self.module.average, ptr(theta, "theta", dev, dt), ptr(weights, "weights", dev, dt),
                    ptr(safe, "rows", dev, torch.int64), M, d, R, ptr(wsum, "wsum", dev, torch.float64),
