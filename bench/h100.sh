@@ -135,5 +135,15 @@ if has ncu; then
     $PY -P bench/gpu_ncu_target.py > "$OUT/ncu.txt" 2>&1
   echo "ncu rc=$?" >> "$OUT/ncu.txt"
   grep -E "glm_|Throughput|Duration|registers|warps_active|Achieved Occupancy|Theoretical Occupancy|Block Limit|Stall|Warp Cycles|Issued Ipc|No Eligible|dram__bytes|ncu rc" "$OUT/ncu.txt" | head -70
+  # the same two calls through each opt-in kernel (NCU_VARIANTS), the headline sections only
+  for variant in ${NCU_VARIANTS:-warp_fast}; do
+    echo "######## PFLCORE_CUDA_GLM=$variant" >> "$OUT/ncu.txt"
+    PFLCORE_CUDA_GLM=$variant timeout ${NCU_LIMIT:-60} ncu --clock-control none --kernel-name "regex:glm_(warp|kernel)" \
+      --launch-skip 1 --launch-count 2 --section SpeedOfLight --section Occupancy --section WarpStateStats \
+      --metrics launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active,dram__bytes_read.sum \
+      $PY -P bench/gpu_ncu_target.py >> "$OUT/ncu.txt" 2>&1
+    echo "ncu $variant rc=$?" >> "$OUT/ncu.txt"
+  done
+  sed -n '/######## PFLCORE_CUDA_GLM/,$p' "$OUT/ncu.txt" | grep -E "######|glm_|Throughput|Duration|registers|warps_active|Achieved Occupancy|Stall|rc=" | head -40
 fi
 stamp "done"
