@@ -481,8 +481,8 @@ def table_rows(res: Dict) -> List[Dict]:
         ok = None if value is None or target is None else value >= target
         rows.append({"name": name, "value": value, "target": target, "unit": unit, "pass": ok})
 
-    def add_time(name, value, limit):  # a time (seconds): passes when at most the limit
-        ok = None if value is None else value <= limit
+    def add_time(name, value, limit):  # a time (seconds): passes when at most the limit (None: no target)
+        ok = None if value is None or limit is None else value <= limit
         rows.append({"name": name, "value": value, "target": limit, "unit": "s", "pass": ok})
 
     k = res["kernel_backend"]

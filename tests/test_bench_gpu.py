@@ -37,7 +37,7 @@ def test_the_overheads_benchmark_without_a_gpu_says_so_and_exits_0(tmp_path):
 
 def test_table_rows_apply_the_targets():
     res = {"kernel_backend": "cuda",
-           "small_call": {"cuda_s": 140e-6},
+           "small_call": {"cuda_s": 140e-6, "cuda_warp_rows_s": 150e-6},
            "local_steps": [{"m": 10_000, "ref_clients": 200, "bound": "bandwidth", "fraction_of_bound": 0.62,
                             "speedup_vs_reference": 9.5, "triton_over_cuda_time": 1.3},
                            {"m": 10_000, "batch_size": 20, "ref_clients": 200, "bound": "bandwidth",
@@ -49,6 +49,8 @@ def test_table_rows_apply_the_targets():
            "anderson": {"rows": 10_000, "d": 7_850}}
     rows = {r["name"]: r for r in W.table_rows(res)}
     assert rows["local_steps 1 client, 1 step: cuda wall per call"]["pass"] is False  # 140 us > 100 us
+    variant = rows["local_steps 1 client, 1 step, PFLCORE_CUDA_GLM=warp_rows: wall per call"]  # no target
+    assert variant["value"] == 150e-6 and variant["target"] is None and variant["pass"] is None
     assert rows["local_steps m=10,000 full batch: cuda fraction of the bandwidth floor"]["pass"] is True
     assert rows["local_steps m=10,000 B=20: cuda fraction of the bandwidth floor"]["pass"] is False
     speed = [r for n, r in rows.items() if n.startswith("local_steps m=10,000 full batch: cuda speed-up vs torch")]

@@ -76,8 +76,19 @@ def test_cgpfl(mode, monkeypatch):
     model = models.Softmax(12, 5)
     cpu, gpu = _compare(lambda: A.CGPFL(3, lam=12.0, beta=0.005, lr=0.005, inner_steps=5, local_rounds=5),
                         fed, model, mode, monkeypatch, rounds=6, eval_every=2, seed=1)
-    assert torch.equal(gpu.state.labels.cpu(), cpu.state.labels)
-    torch.testing.assert_close(gpu.state.contexts.cpu(), cpu.state.contexts, **TOL64)
+    # the same partition of the clients; its cluster numbers may differ: the k-means restarts that
+    # reach it (well separated contexts: every restart does) number its clusters differently, and
+    # the winner is decided by their inertias' last bits, which the devices sum differently (on the
+    # 2026-11-27 H100 the reference mode's GPU run numbered two clusters the other way round)
+    got, want = gpu.state.labels.cpu(), cpu.state.labels
+    relabel = {}
+    for g, w in zip(got.tolist(), want.tolist()):
+        assert relabel.setdefault(g, w) == w, f"not the same partition: {got.tolist()} vs {want.tolist()}"
+    assert len(set(relabel.values())) == len(relabel), f"not the same partition: {got.tolist()} vs {want.tolist()}"
+    contexts = gpu.state.contexts.cpu().clone()
+    for g, w in relabel.items():
+        contexts[w] = gpu.state.contexts[g].cpu()
+    torch.testing.assert_close(contexts, cpu.state.contexts, **TOL64)
 
 
 @pytest.mark.parametrize("mode", MODES)
