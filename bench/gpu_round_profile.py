@@ -148,7 +148,8 @@ def main(argv=None) -> int:
     try:
         res["local_steps"] = local_steps_latency(fed.train.to(device), device, args.cohort)
         for r in res["local_steps"]:
-            print(f"{r['call']}, {r['clients']} clients, kernel {r['kernel']}: {r['median_s'] * 1e6:.1f} us a call, "
+            print(f"{r['call']}, {r['cohort']} clients ({r['clients']}), kernel {r['kernel']}: "
+                  f"{r['median_s'] * 1e6:.1f} us a call, "
                   f"{r['per_step_s'] * 1e6:.1f} us a step", flush=True)
     except Exception as exc:  # the profile above is the main result; say why this part is missing
         res["local_steps_error"] = f"{type(exc).__name__}: {exc}"
@@ -162,32 +163,44 @@ def main(argv=None) -> int:
 
 def local_steps_latency(train, device: str, cohort: int) -> list:
     """One local_steps call on ``cohort`` clients of ``train`` (on ``device``) with a round's
-    shapes (B = 20; FedAvg's 20 steps, and one of pFedMe's local rounds: 5 steps), trusted (as a
-    run calls it), the device synchronized: the median wall of 50 calls."""
+    shapes (B = 20; FedAvg's 20 steps, and one of pFedMe's local rounds: 5 steps with its anchor
+    [R, d] and prox = λ = 20), trusted (as a run calls it), the device synchronized: the median
+    wall of 50 calls, per GLM kernel. Two kinds of cohort: clients 0..cohort-1 (their rows
+    contiguous: ~3.6 MB at 1,000 of gpu_federation.py's clients, in an H100's L2) and ``cohort``
+    clients sampled out of all (their rows scattered through the whole data, as a run's round
+    draws them): on 2026-11-27 warp_fast won the first and lost whole rounds of the second."""
     import torch
 
     import _harness as harness
     from gpu_workloads import GLM_VARIANTS
     from pflcore import models, ops
+    from pflcore._sampling import randperm_prefix
     from pflcore.ops.local_steps import run_local_steps
 
     model = models.Softmax(60, 10)
-    rows = torch.arange(cohort, device=device)
+    m = train.offsets.numel() - 1
+    cohorts = {"first": torch.arange(cohort, device=device),
+               "sampled": randperm_prefix(m, min(cohort, m), 12345).sort().values.to(device)}
     out = []
     # each GLM kernel (PFLCORE_CUDA_GLM; "" the default): at 1,000 clients a warp-per-client
     # kernel fills ~12% of an H100's warp slots, so a kernel that spreads a client over more
     # threads may have the shorter chain of steps even where it is slower on 10^5 clients
     variants = [""] + (list(GLM_VARIANTS) if device == "cuda" else [])
-    for name, steps in (("FedAvg local_steps (20 steps, B = 20)", 20), ("pFedMe local round (5 steps, B = 20)", 5)):
-        theta = torch.zeros(cohort, model.d, device=device)
-        batches = ops.sample_batches(train, steps=steps, batch_size=20, seed=0, counter=0, clients=rows)
-        sync = (lambda: torch.cuda.synchronize()) if device == "cuda" else None
-        for variant in variants:
-            with harness.environ(PFLCORE_CUDA_GLM=variant or None):
-                t = harness.time_runs(lambda: run_local_steps(model, theta, train, steps, 0.005, 0.0, None, batches,
-                                                              rows, None, True), 50, sync=sync, warmup=5).median
-            out.append({"call": name, "kernel": variant or "default", "clients": cohort, "steps": steps,
-                        "median_s": t, "per_step_s": t / steps})
+    sync = (lambda: torch.cuda.synchronize()) if device == "cuda" else None
+    for which, rows in cohorts.items():
+        R = rows.numel()
+        for name, steps, prox in (("FedAvg local_steps (20 steps, B = 20)", 20, 0.0),
+                                  ("pFedMe local round (5 steps, B = 20, anchor, prox 20)", 5, 20.0)):
+            theta = torch.zeros(R, model.d, device=device)
+            anchor = torch.zeros(R, model.d, device=device) if prox else None
+            batches = ops.sample_batches(train, steps=steps, batch_size=20, seed=0, counter=0, clients=rows)
+            for variant in variants:
+                with harness.environ(PFLCORE_CUDA_GLM=variant or None):
+                    t = harness.time_runs(lambda: run_local_steps(model, theta, train, steps, 0.005, prox, anchor,
+                                                                  batches, rows, None, True), 50, sync=sync,
+                                          warmup=5).median
+                out.append({"call": name, "clients": which, "kernel": variant or "default", "cohort": R,
+                            "steps": steps, "median_s": t, "per_step_s": t / steps})
     return out
 
 
