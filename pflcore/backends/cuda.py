@@ -18,7 +18,9 @@ module calls, =torch keeps the torch screen (for A/B timing, and as a fallback);
 without ``glm_screen`` uses it too. ``average`` screens inside its two kernels and reads one flag
 back; PFLCORE_CUDA_AVERAGE=torch keeps the torch screen around them. Both became the defaults
 after the 2026-11-27 H100 run (tests/gpu and compute-sanitizer clean; the one-client call 127 ->
-110 µs, ``average`` 21.9% -> 53% of the copy bandwidth).
+110 µs by the fused screen alone, 74 µs with the null rows address, the raw stream handle, the
+skipped device context and the reused flag below; ``average`` 21.9% -> 56.5% of the copy
+bandwidth).
 """
 from __future__ import annotations
 
