@@ -144,6 +144,17 @@ if has ncu; then
       $PY -P bench/gpu_ncu_target.py >> "$OUT/ncu.txt" 2>&1
     echo "ncu $variant rc=$?" >> "$OUT/ncu.txt"
   done
-  sed -n '/######## PFLCORE_CUDA_GLM/,$p' "$OUT/ncu.txt" | grep -E "######|glm_|Throughput|Duration|registers|warps_active|Achieved Occupancy|Stall|rc=" | head -40
+  # FedAvg's call in a round (1,000 sampled clients of 10^5, B = 20): where warp_fast lost to the
+  # default on 2026-11-27 while it won every benchmark of its own (bench/gpu_ncu_target.py --sampled)
+  for variant in default ${NCU_VARIANTS:-warp_fast}; do
+    echo "######## sampled clients, PFLCORE_CUDA_GLM=$variant" >> "$OUT/ncu.txt"
+    env $([ $variant = default ] || echo PFLCORE_CUDA_GLM=$variant) timeout ${NCU_LIMIT:-60} ncu --clock-control none \
+      --kernel-name "regex:glm_(warp|kernel)" --launch-skip 1 --launch-count 1 --section SpeedOfLight \
+      --section WarpStateStats --section MemoryWorkloadAnalysis --section Occupancy \
+      --metrics launch__registers_per_thread,dram__bytes_read.sum,lts__t_sector_hit_rate.pct \
+      $PY -P bench/gpu_ncu_target.py --sampled >> "$OUT/ncu.txt" 2>&1
+    echo "ncu sampled $variant rc=$?" >> "$OUT/ncu.txt"
+  done
+  sed -n '/######## PFLCORE_CUDA_GLM/,$p' "$OUT/ncu.txt" | grep -E "######|glm_|Throughput|Duration|registers|warps_active|Achieved Occupancy|Stall|hit_rate|rc=" | head -60
 fi
 stamp "done"
