@@ -149,21 +149,18 @@ def main(argv=None) -> int:
                           f"{r['round_s'] * 1e3:9.2f} ms a round, {r['evaluate_s'] * 1e3:8.2f} ms an evaluation, "
                           f"accuracy {r['accuracy']}", flush=True)
                     torch.cuda.empty_cache()
-    by = {(r["device"], r["algorithm"].split("(")[0], r["clients_per_round"]): r for r in res["runs"]}
-    res["speedup"] = []
-    for (dev, name, cohort), r in by.items():
-        cpu = by.get(("cpu", name, cohort))
-        if dev == "cuda" and cpu is not None:
-            res["speedup"].append({"algorithm": name, "clients_per_round": cohort,
-                                   "round": cpu["round_s"] / r["round_s"],
-                                   "evaluation": cpu["evaluate_s"] / r["evaluate_s"]})
-    for r in res.get("variant_runs", []):
-        cpu = by.get(("cpu", r["algorithm"].split("(")[0], r["clients_per_round"]))
-        if cpu is not None:
-            res.setdefault("variant_speedup", []).append(
-                {"glm_kernel": r["glm_kernel"], "algorithm": r["algorithm"].split("(")[0],
-                 "clients_per_round": r["clients_per_round"], "round": cpu["round_s"] / r["round_s"],
-                 "evaluation": cpu["evaluate_s"] / r["evaluate_s"]})
+    key = lambda r: (r["algorithm"].split("(")[0], r["clients_per_round"])  # noqa: E731
+    cpu_runs = {key(r): r for r in res["runs"] if r["device"] == "cpu"}
+
+    def vs_cpu(gpu_runs):  # each GPU run's speed-up over the CPU run of its algorithm and cohort
+        return [{**({"glm_kernel": r["glm_kernel"]} if "glm_kernel" in r else {}), "algorithm": key(r)[0],
+                 "clients_per_round": key(r)[1], "round": cpu["round_s"] / r["round_s"],
+                 "evaluation": cpu["evaluate_s"] / r["evaluate_s"]}
+                for r in gpu_runs if (cpu := cpu_runs.get(key(r))) is not None]
+
+    res["speedup"] = vs_cpu(r for r in res["runs"] if r["device"] == "cuda")
+    if res.get("variant_runs"):
+        res["variant_speedup"] = vs_cpu(res["variant_runs"])
     if "cuda" in args.devices and args.memory_clients:
         del fed
         big, gen_big = _federation(args.memory_clients)
