@@ -588,7 +588,7 @@ void local_steps_rowpath(const GlmProblem<T>& prob, const LocalStepsArgs<T>& arg
   mb.prepare(P, CP);
   T* theta_r = args.theta + r * d;
   const bool has_anchor = args.anchor != nullptr;
-  const auto full = [lo](int64_t t) { return lo + t; };
+  const minibatch::ContiguousRows full{lo};
   if (!args.batches && !check_labels(prob, full, hi - lo, r, faults)) return;  // the same rows every step
   minibatch::load_padded<T, CP>(mb.W.data(), theta_r, P, C);
   if (has_anchor) minibatch::load_padded<T, CP>(mb.A.data(), args.anchor_shared ? args.anchor : args.anchor + r * d, P, C);
@@ -654,7 +654,7 @@ void local_steps_family(const GlmProblem<T>& prob, const LocalStepsArgs<T>& args
     const T gs = args.grad_scale ? args.grad_scale[r] : T(1);
     ws.w.load(theta_r, p, C, icpt);
     if (has_anchor) ws.a.load(anchor_r, p, C, icpt);
-    const auto full = [lo](int64_t t) { return lo + t; };
+    const minibatch::ContiguousRows full{lo};
     // A full-batch client that fits one chunk is transposed (and checked) once for all its steps.
     const bool resident = !args.batches && n <= ws.cap;
     const int64_t ld = resident ? load_chunk(prob, ws, full, 0, n, r, faults) : 0;
@@ -739,7 +739,7 @@ void gradients_family(const GlmProblem<T>& prob, const T* theta, int64_t theta_s
                  });
         };
         const bool ok = batch ? run([batch](int64_t t) { return static_cast<int64_t>(batch[t]); })
-                              : run([lo](int64_t t) { return lo + t; });
+                              : run(minibatch::ContiguousRows{lo});
         if (!ok) return;
         minibatch::store_unpadded<T, CP>(o, mb.G.data(), P, C);
       }
@@ -794,7 +794,7 @@ void evaluate_family(const GlmProblem<T>& prob, const T* theta, int64_t theta_st
       return pass_rows(prob, ws, row_at, n, false, &hits, r, faults, &loss);
     };
     const bool ok = batch ? evaluate_rows([batch](int64_t t) { return static_cast<int64_t>(batch[t]); })
-                          : evaluate_rows([lo](int64_t t) { return lo + t; });
+                          : evaluate_rows(minibatch::ContiguousRows{lo});
     if (!ok) return;
     loss_sum[r] = loss;
     correct[r] = hits;

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "glm_minibatch_avx512.h"
+#include "glm_rows.h"
 
 namespace pflcore::cpu {
 PFLCORE_LEVEL_BEGIN
@@ -192,6 +193,11 @@ inline void gather_block(const T* x, int64_t p, const int64_t* y, RowAt row_at, 
     const int64_t r = row_at(u0 + std::min(q, nb - 1));
     rows[q] = x + r * p;
     labels[q] = y[r];
+  }
+  if constexpr (is_contiguous_rows<RowAt>) {  // the rows kAheadRows on (glm_rows.h)
+    const char* ahead = reinterpret_cast<const char*>(rows[0] + kAheadRows * p);
+    const int64_t bytes = kRows * p * int64_t(sizeof(T));
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(ahead + o);
   }
 }
 

@@ -26,6 +26,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "glm_rows.h"
 #include "pflcore/cpu_level.h"
 
 #define PFLCORE_ROWPATH_AVX512 1
@@ -107,6 +108,7 @@ struct Block {
   int64_t label[NR];
 };
 
+
 template <int NR, typename RowAt>
 PFLCORE_ALWAYS_INLINE void gather(const float* x, int64_t p, const int64_t* y, RowAt row_at, int64_t u0,
                                   Block<NR>& b) {
@@ -114,6 +116,11 @@ PFLCORE_ALWAYS_INLINE void gather(const float* x, int64_t p, const int64_t* y, R
     const int64_t r = row_at(u0 + q);
     b.row[q] = x + r * p;
     b.label[q] = y[r];
+  }
+  if constexpr (NR == 8 && is_contiguous_rows<RowAt>) {  // the rows kAheadRows on (glm_rows.h)
+    const char* ahead = reinterpret_cast<const char*>(b.row[0] + kAheadRows * p);
+    const int64_t bytes = NR * p * int64_t(sizeof(float));
+    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
   }
 }
 
