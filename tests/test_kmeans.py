@@ -293,6 +293,59 @@ def test_assign_few_centroids_huge_values_and_non_finite_rows(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_assign_full_blocks_huge_values_and_non_finite_rows(dtype):
+    """d = 20, K = 3, 48 points: whole blocks of 16 points (the float kernel's points-in-lanes
+    pass) with values that overflow the screen in some rows (every centroid computed directly)
+    and a NaN/inf row inside a block (the block is taken by the row form, which reports it):
+    labels equal the reference, errors name the first bad row."""
+    from pflcore.errors import NonFiniteError
+
+    big = 1e18 if dtype is torch.float32 else 1e150
+    g = torch.Generator().manual_seed(5)
+    pts = torch.randn(48, 20, generator=g, dtype=dtype)
+    pts[3, 0], pts[17, 19], pts[40, 7] = big, -big, 0.5 * big
+    cen = torch.randn(3, 20, generator=g, dtype=dtype)
+    cen[1, 0] = 0.9 * big
+    labels, sq = ops.kmeans_assign(pts, cen)
+    rl, rsq = ops.kmeans_assign_ref(pts, cen)
+    assert torch.equal(labels, rl)
+    torch.testing.assert_close(sq, rsq, rtol=1e-5, atol=0)
+    bad = torch.randn(48, 20, generator=g, dtype=dtype)
+    bad[37, 4], bad[21, 11] = float("nan"), float("inf")
+    with pytest.raises(NonFiniteError, match=r"points: row 21 holds a NaN or infinite value"):
+        ops.kmeans_assign(bad, cen)
+    with pytest.raises(NonFiniteError, match=r"points: row 21 holds a NaN or infinite value"):
+        ops.kmeans(bad, init=cen, iters=2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_assign_full_blocks_equal_brute_force(seed, dtype):
+    """Random float points in whole blocks of 16 and a tail (N = 16·12 + 7), K from 1 to 12
+    (odd K: the padding centroid), d = 16, 31, 60: labels and distances bit for bit those of each
+    point assigned alone (a call of one point takes the row form), labels those of the reference,
+    and the Lloyd loop (cached norms on its later passes) equals the reference."""
+    rng = np.random.default_rng(seed)
+    npd = np.float32 if dtype is torch.float32 else np.float64
+    for K in (1, 5, 10, 12):
+        for d in (16, 31, 60):
+            centroids = rng.standard_normal((K, d)).astype(npd)
+            points = (centroids[rng.integers(0, K, 199)] + 2.0 * rng.standard_normal((199, d))).astype(npd)
+            P, C = torch.from_numpy(points), torch.from_numpy(centroids)
+            labels, sq = ops.kmeans_assign(P, C)
+            alone = [ops.kmeans_assign(P[i:i + 1].clone(), C) for i in range(0, 199, 5)]
+            assert torch.equal(labels[::5], torch.cat([a[0] for a in alone]))
+            assert torch.equal(sq[::5], torch.cat([a[1] for a in alone]))
+            rl, rsq = ops.kmeans_assign_ref(P, C)
+            assert torch.equal(labels, rl)
+            torch.testing.assert_close(sq, rsq, rtol=1e-5, atol=1e-6)
+            init = C
+            got = ops.kmeans(P, init=init, iters=3, tol=0.0)
+            ref = ops.kmeans_ref(P, init=init, iters=3, tol=0.0)
+            assert torch.equal(got.labels, ref.labels)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("N", [96, 200, 1001])
 def test_small_assign_split_over_threads_is_bitwise_the_one_thread_result(N, dtype):
     """A small call (N x K x d from 2^14 multiply-adds, N >= 96) is split over the threads in
