@@ -719,6 +719,10 @@ void gradients_family(const GlmProblem<T>& prob, const T* theta, int64_t theta_s
     RowPass<T> rp;
     if (!start_row(prob, theta, theta_stride, batches, batch_size, r, &rp, faults)) return;
     if (!batches) prefetch_next_client(prob, r);
+    {  // the output row, for writing, while this row's pass computes
+      const char* orow = reinterpret_cast<const char*>(out + r * d);
+      for (int64_t o = 0; o < d * int64_t(sizeof(T)); o += 64) __builtin_prefetch(orow + o, 1, 3);
+    }
     const T* th = rp.theta;
     const int32_t* batch = rp.batch;
     const int64_t lo = rp.lo, nb = rp.n;
