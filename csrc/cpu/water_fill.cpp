@@ -31,19 +31,23 @@ PFLCORE_LEVEL_BEGIN
 namespace {
 
 // Keeps the entries of (c, w) [n] with c < tau, in order, at the front of (Ac, Aw), and their
-// indices (idx[q], or q where idx is null) in Ai when kIdx; returns how many. Also in place (c, w,
-// idx the destinations): an entry is written at or before where it was read. Every entry is
-// written and the count advances where it is kept (no branch on the data: near half of the entries
-// stay in the first passes, so a branch mispredicts often; with branches the kernel ran ~9 ns an
-// entry at m = 2,000). 512-bit vectors compress 8 entries at a time (compress in registers, then
-// a masked store: compress straight to memory is slow on Zen 4).
+// indices (idx[q], or q where idx is null) in Ai when kIdx; returns how many, and the sums of the
+// kept w and c·w in *sw, *scw (the next level's sums: Michelot's iteration needs no separate pass
+// over the set it keeps; fixed order: 8 partial sums by position mod 8, then the tail). Also in
+// place (c, w, idx the destinations): an entry is written at or before where it was read. Every
+// entry is written and the count advances where it is kept (no branch on the data: near half of
+// the entries stay in the first passes, so a branch mispredicts often; with branches the kernel
+// ran ~9 ns an entry at m = 2,000). 512-bit vectors compress 8 entries at a time (compress in
+// registers, then a masked store: compress straight to memory is slow on Zen 4).
 template <bool kIdx>
 inline int64_t keep_below(const double* c, const double* w, const int64_t* idx, int64_t n, double tau, double* Ac,
-                          double* Aw, int64_t* Ai) {
+                          double* Aw, int64_t* Ai, double* sw, double* scw) {
   int64_t kept = 0, q = 0;
+  double s = 0.0, t = 0.0;
 #if defined(__AVX512F__)
   const __m512d level = _mm512_set1_pd(tau);
   const __m512i iota = _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0);
+  __m512d sv = _mm512_setzero_pd(), tv = _mm512_setzero_pd();
   for (; q + 8 <= n; q += 8) {
     const __m512d cv = _mm512_loadu_pd(c + q), wv = _mm512_loadu_pd(w + q);
     const __mmask8 keep = _mm512_cmp_pd_mask(cv, level, _CMP_LT_OQ);
@@ -55,9 +59,18 @@ inline int64_t keep_below(const double* c, const double* w, const int64_t* idx, 
     }
     _mm512_mask_storeu_pd(Ac + kept, front, _mm512_maskz_compress_pd(keep, cv));
     _mm512_mask_storeu_pd(Aw + kept, front, _mm512_maskz_compress_pd(keep, wv));
+    sv = _mm512_mask_add_pd(sv, keep, sv, wv);
+    tv = _mm512_mask_add_pd(tv, keep, tv, _mm512_mul_pd(cv, wv));
     kept += count;
   }
+  alignas(64) double sl[8], tl[8];
+  _mm512_store_pd(sl, sv);
+  _mm512_store_pd(tl, tv);
+  s = ((sl[0] + sl[1]) + (sl[2] + sl[3])) + ((sl[4] + sl[5]) + (sl[6] + sl[7]));
+  t = ((tl[0] + tl[1]) + (tl[2] + tl[3])) + ((tl[4] + tl[5]) + (tl[6] + tl[7]));
 #endif
+  // (the portable path: four partial sums by position mod 4, each entry added as 0 where dropped)
+  double s4[4] = {0.0, 0.0, 0.0, 0.0}, t4[4] = {0.0, 0.0, 0.0, 0.0};
   for (; q < n; ++q) {
     const double cq = c[q], wq = w[q];
     int64_t iq = 0;
@@ -65,8 +78,13 @@ inline int64_t keep_below(const double* c, const double* w, const int64_t* idx, 
     Ac[kept] = cq;
     Aw[kept] = wq;
     if constexpr (kIdx) Ai[kept] = iq;
-    kept += cq < tau;
+    const bool in = cq < tau;
+    s4[q & 3] += in ? wq : 0.0;
+    t4[q & 3] += in ? cq * wq : 0.0;
+    kept += in;
   }
+  *sw = s + ((s4[0] + s4[1]) + (s4[2] + s4[3]));
+  *scw = t + ((t4[0] + t4[1]) + (t4[2] + t4[3]));
   return kept;
 }
 
@@ -89,20 +107,13 @@ inline double row_level(const double* c, const double* w, const double* inv_w, i
     scw += c[j] * w[j];
   }
   tau = std::min(tau, (1.0 + scw) / sw);
-  int64_t n = keep_below<kIdx>(c, w, nullptr, k, tau, Ac, Aw, Ai);
+  double s = 0.0, t = 0.0;  // the kept entries' Σw and Σc·w
+  int64_t n = keep_below<kIdx>(c, w, nullptr, k, tau, Ac, Aw, Ai, &s, &t);
   bool exact_set = true;
-  // The level's sums run in four partial sums (q mod 4) so that the additions do not wait on
-  // each other.
   for (;;) {
-    double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0, t0 = 0.0, t1 = 0.0, t2 = 0.0, t3 = 0.0;
-    int64_t q = 0;
-    for (; q + 4 <= n; q += 4) {
-      s0 += Aw[q], s1 += Aw[q + 1], s2 += Aw[q + 2], s3 += Aw[q + 3];
-      t0 += Ac[q] * Aw[q], t1 += Ac[q + 1] * Aw[q + 1], t2 += Ac[q + 2] * Aw[q + 2], t3 += Ac[q + 3] * Aw[q + 3];
-    }
-    for (; q < n; ++q) s0 += Aw[q], t0 += Ac[q] * Aw[q];
-    const double next = (1.0 + ((t0 + t1) + (t2 + t3))) / ((s0 + s1) + (s2 + s3));
-    const int64_t kept = keep_below<kIdx>(Ac, Aw, Ai, n, next, Ac, Aw, Ai);
+    const double next = (1.0 + t) / s;
+    double s_kept = 0.0, t_kept = 0.0;
+    const int64_t kept = keep_below<kIdx>(Ac, Aw, Ai, n, next, Ac, Aw, Ai, &s_kept, &t_kept);
     // no entry below the new level: only rounding does that (a set of one column, whose level
     // c_j + 1/w_j rounds to c_j): keep the last level, which has entries below it
     if (kept == 0) {
@@ -112,7 +123,7 @@ inline double row_level(const double* c, const double* w, const double* inv_w, i
     if (next > tau) exact_set = false;  // a column dropped at a higher level could be below this one
     tau = next;
     if (kept == n) break;
-    n = kept;
+    n = kept, s = s_kept, t = t_kept;
   }
   if constexpr (kIdx) *active = exact_set ? n : -1;
   return tau;
