@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "../csrc/cpu/dispatch.h"
+#include "../csrc/cpu/perm_bounds.h"
 #include "pflcore/ops_cpu.h"
 #include "pflcore_kernels.h"
 
@@ -575,6 +576,16 @@ PYBIND11_MODULE(_core, m) {
                                                as<int64_t>(labels), as<double>(sq), as<float>(mu), as<double>(mu_sq),
                                                as<double>(t));
   }, "PERM's screen statistics (csrc/cpu/perm_screen.cpp); returns the clusters made");
+  // labels: perm_screen_stats' (in [0, k)); sizes: float64 [m], positive
+  m.def("perm_screen_need", [](int64_t m, int64_t k, int64_t d, double unit, ptr_t labels, ptr_t sq, ptr_t mu_sq,
+                               ptr_t t, ptr_t sizes, double lam, int64_t first, int64_t stop, ptr_t keys) {
+    require(m >= 1 && k >= 1 && k <= 62 && d >= 1 && 0 <= first && first <= stop && stop <= m && labels && sq &&
+                mu_sq && t && sizes && (first == stop || keys),
+            "perm_screen_need", "expected m, d >= 1, 1 <= k <= 62, 0 <= first <= stop <= m and non-null buffers");
+    py::gil_scoped_release nogil;
+    cpu::perm_screen_need(m, k, d, unit, as<const int64_t>(labels), as<const double>(sq), as<const double>(mu_sq),
+                          as<const double>(t), as<const double>(sizes), lam, first, stop, as<int64_t>(keys));
+  }, "PERM's screen: the clusters each row may need, as bit keys (csrc/cpu/perm_bounds.cpp)");
   m.def("water_fill", [](ptr_t costs, int64_t r, int64_t k, ptr_t w, ptr_t alpha) {
     require(r >= 0 && k >= 1 && costs && w && alpha, "water_fill", "expected r >= 0, k >= 1 and non-null buffers");
     Faults faults;

@@ -642,3 +642,38 @@ def test_screened_weights_take_the_native_symmetric_products_where_they_serve(mo
     scale = float(dense.max())
     for a in (got, torch_path):
         assert float((a - dense).abs().max()) <= 2e-6 * scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("m, d, groups, spread, lam, rows", [
+    (600, 23, 4, 0.05, 100.0, slice(None)), (700, 61, 6, 0.3, 3.0, slice(150, 420)),
+    (520, 9, 2, 1.0, 1e4, slice(0, 1)), (800, 610, 5, 0.1, 30.0, slice(799, 800))])
+def test_native_screen_bounds_equal_the_torch_ones(monkeypatch, dtype, m, d, groups, spread, lam, rows):
+    """The screen's bounds in one native call (csrc/cpu/perm_bounds.cpp) against their torch code
+    (_screen_need): the same clusters needed by every row (as keys: the same row patterns and
+    groups), so bitwise the same α; for row slices (a sharded rank's rows) and both precisions."""
+    from pflcore.algorithms import perm
+    if perm._bounds_kernel(torch.zeros(1)) is None:
+        pytest.skip("no native module")
+    G, n = _grouped_gradients(m, d, groups, spread, seed=m + d, dtype=dtype)
+    seen = {}
+
+    def spy(name, fn):
+        def wrapped(*a, **kw):
+            out = fn(*a, **kw)
+            seen[name] = out
+            return out
+        return wrapped
+
+    merged = perm._merged_patterns  # (its input: the row patterns and groups)
+    monkeypatch.setattr(perm, "_merged_patterns", lambda p, g, c: merged(*spy("native", lambda *a: a)(p, g), c))
+    native = screened_weights(G, n, lam, rows)
+    monkeypatch.setattr(perm, "_bounds_kernel", lambda G: None)
+    monkeypatch.setattr(perm, "_merged_patterns", lambda p, g, c: merged(*spy("torch", lambda *a: a)(p, g), c))
+    reference = screened_weights(G, n, lam, rows)
+    assert torch.equal(native, reference)
+    (pn, gn), (pt, gt) = seen["native"], seen["torch"]
+    assert torch.equal(pn, pt) and torch.equal(gn, gt)
+    # and the screen did skip clusters for some rows (else the test would not exercise the bounds)
+    if groups > 1:
+        assert not bool(pn.all())

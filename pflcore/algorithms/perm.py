@@ -307,32 +307,19 @@ def _screened_weights(G: torch.Tensor, sizes: torch.Tensor, lam_alpha: float, ro
     fine = _Float64Rows(G, S, sq_s)
     unit = torch.finfo(G.dtype).eps  # 2u
     G32 = G.to(torch.float32) if low else None
-    norms = sq_s[:, None] + mu_sq[None, :]
-    E = norms.mul_((d + 3) * unit).add_(1e-300)
-    far = (t + E).clamp_(min=0.0).sqrt_()  # ‖s_j − μ_b‖ rounded up
-    near = t.sub_(E).clamp_(min=0.0).sqrt_()  # and down
-    # ‖g_j − μ_{a(j)}‖ rounded up, the clusters' radii (never underestimated)
-    at = torch.arange(m, device=G.device)
-    own = far[at, labels]
-    radius = torch.zeros(k, dtype=torch.float64, device=G.device).scatter_reduce_(0, labels, own, "amax")
-    # S's own rounding: s_j = (g_j − mean)(1 + δ), |δ| ≤ u, moves a distance ‖g_i − g_j‖ by at most
-    # u(‖s_i‖ + ‖s_j‖), with ‖s_j‖ ≤ ‖μ_b‖ + r_b for a client j of cluster b
-    moved = unit * (sq_s[first:stop].sqrt()[:, None] + mu_sq.sqrt()[None, :] + radius[None, :])  # [r, k]
-    lower = (near[first:stop] - radius[None, :] - moved).clamp_(min=0.0) ** 2  # [r, k]
-    inv_w = 2.0 * lam / sizes.to(device=G.device, dtype=torch.float64)
-    # upper bounds of τ_i: the level of client i alone (c_ii = 0), or of the client of its cluster
-    # with the most samples, at distance at most ‖g_i − μ_a‖ + r_a
-    best = torch.full((k,), float("inf"), dtype=torch.float64, device=G.device)
-    best.scatter_reduce_(0, labels, inv_w, "amin")
-    mine = labels[first:stop]
-    reach = own[first:stop] + radius[mine] + moved[torch.arange(stop - first, device=G.device), mine]
-    level = torch.minimum(inv_w[first:stop], reach ** 2 + best[mine]) * (1.0 + 1e-9)
-    need = lower < level[:, None]  # [r, k]: clusters that may hold weight for the row
-    need[torch.arange(stop - first, device=G.device), labels[first:stop]] = True
+    bounds = _bounds_kernel(G) if k <= 62 else None
+    if bounds is not None:  # the same bounds in one native call (csrc/cpu/perm_bounds.cpp), as bit keys
+        keys = torch.empty(stop - first, dtype=torch.int64)
+        sizes64 = sizes.to(dtype=torch.float64).contiguous()
+        labels, sq_s, mu_sq, t = labels.contiguous(), sq_s.contiguous(), mu_sq.contiguous(), t.contiguous()
+        bounds.perm_screen_need(m, k, d, unit, labels.data_ptr(), sq_s.data_ptr(), mu_sq.data_ptr(), t.data_ptr(),
+                                sizes64.data_ptr(), float(lam), first, stop, keys.data_ptr())
+        patterns, group = _patterns_of_keys(keys, k)
+    else:
+        patterns, group = _row_patterns(_screen_need(sq_s, mu_sq, t, labels, sizes, lam, d, unit, first, stop))
     # every row of out belongs to one group, whose kernel call clears it (fill="row", in the worker
     # threads) before writing its weights: no zero-filled [r, m] buffer first (~1 ms at m = 2,000)
     out = torch.empty(stop - first, m, dtype=torch.float64, device=G.device)
-    patterns, group = _row_patterns(need)
     patterns, group = _merged_patterns(patterns, group, count)
     w = sizes.to(device=G.device, dtype=torch.float64) / (2.0 * lam)
     adapter = backend.select("water_fill_gram", None, w)
@@ -372,6 +359,52 @@ def _screened_weights(G: torch.Tensor, sizes: torch.Tensor, lam_alpha: float, ro
     for r_idx, cols in tasks:
         solve(r_idx, cols)
     return out
+
+
+def _screen_need(sq_s: torch.Tensor, mu_sq: torch.Tensor, t: torch.Tensor, labels: torch.Tensor, sizes: torch.Tensor,
+                 lam: float, d: int, unit: float, first: int, stop: int) -> torch.Tensor:
+    """bool ``[r, k]``: the clusters whose clients may carry weight for rows ``first..stop`` (the
+    screen's bounds, see ``screened_weights``; ``t`` is overwritten)."""
+    m, k = t.shape
+    norms = sq_s[:, None] + mu_sq[None, :]
+    E = norms.mul_((d + 3) * unit).add_(1e-300)
+    far = (t + E).clamp_(min=0.0).sqrt_()  # ‖s_j − μ_b‖ rounded up
+    near = t.sub_(E).clamp_(min=0.0).sqrt_()  # and down
+    # ‖g_j − μ_{a(j)}‖ rounded up, the clusters' radii (never underestimated)
+    at = torch.arange(m, device=t.device)
+    own = far[at, labels]
+    radius = torch.zeros(k, dtype=torch.float64, device=t.device).scatter_reduce_(0, labels, own, "amax")
+    # S's own rounding: s_j = (g_j − mean)(1 + δ), |δ| ≤ u, moves a distance ‖g_i − g_j‖ by at most
+    # u(‖s_i‖ + ‖s_j‖), with ‖s_j‖ ≤ ‖μ_b‖ + r_b for a client j of cluster b
+    moved = unit * (sq_s[first:stop].sqrt()[:, None] + mu_sq.sqrt()[None, :] + radius[None, :])  # [r, k]
+    lower = (near[first:stop] - radius[None, :] - moved).clamp_(min=0.0) ** 2  # [r, k]
+    inv_w = 2.0 * lam / sizes.to(device=t.device, dtype=torch.float64)
+    # upper bounds of τ_i: the level of client i alone (c_ii = 0), or of the client of its cluster
+    # with the most samples, at distance at most ‖g_i − μ_a‖ + r_a
+    best = torch.full((k,), float("inf"), dtype=torch.float64, device=t.device)
+    best.scatter_reduce_(0, labels, inv_w, "amin")
+    mine = labels[first:stop]
+    reach = own[first:stop] + radius[mine] + moved[torch.arange(stop - first, device=t.device), mine]
+    level = torch.minimum(inv_w[first:stop], reach ** 2 + best[mine]) * (1.0 + 1e-9)
+    need = lower < level[:, None]  # [r, k]: clusters that may hold weight for the row
+    need[torch.arange(stop - first, device=t.device), labels[first:stop]] = True
+    return need
+
+
+def _bounds_kernel(G: torch.Tensor):
+    """The native module where it computes the screen's bounds (``perm_screen_need``) for
+    statistics of ``G`` (on the CPU, not forced onto the reference backend), else None."""
+    if G.device.type != "cpu" or backend.requested() == "reference":
+        return None
+    core = backend.loaded("native")
+    return core if core is not None and hasattr(core, "perm_screen_need") else None
+
+
+def _patterns_of_keys(keys: torch.Tensor, k: int):
+    """``_row_patterns``' result from the rows' int64 keys (bit k − 1 − b for cluster b)."""
+    bits = torch.pow(2, torch.arange(k - 1, -1, -1, device=keys.device, dtype=torch.int64))
+    uniq, group = torch.unique(keys, return_inverse=True)
+    return ((uniq[:, None] // bits[None, :]) % 2).to(torch.bool), group
 
 
 def _shifted_gram32(G32: torch.Tensor, rows: torch.Tensor, cols: Optional[torch.Tensor], sym=None):
