@@ -106,18 +106,25 @@ def _ratio(num: torch.Tensor, den: torch.Tensor, ctx: Context) -> float:
     return ctx.sum(float(num.sum())) / ctx.sum(float(den.sum()))
 
 
-_CHUNK_ROWS = 65_536  # rows of [m, d] temporaries a metric makes at a time (a million clients: not 5 GB)
+# elements of the [chunk, d] buffer a metric works in: 4 MB of float32, reused from chunk to chunk
+# (chunks of 65,536 rows made three fresh [65,536, 610] temporaries each: the stat error of FedAvg's
+# global model at 10^5 clients took 139 of a 181 ms evaluation round, mostly their page faults)
+_CHUNK_ELEMENTS = 1 << 20
 
 
 def _mean_sq_error(models: torch.Tensor, truth: torch.Tensor, ctx: Context) -> float:
     """mean over all clients of ‖θ_i − θ*_i‖² (``models`` [m, d], or [1, d]: one for all), in
-    chunks of clients."""
-    m = truth.shape[0]
+    chunks of clients through one reused buffer."""
+    m, d = truth.shape
     err = torch.empty(m, dtype=models.dtype, device=models.device)
-    for c0 in range(0, m, _CHUNK_ROWS):
-        c1 = min(m, c0 + _CHUNK_ROWS)
+    rows = max(1, min(m, _CHUNK_ELEMENTS // max(1, d)))
+    buf = torch.empty(rows, d, dtype=models.dtype, device=models.device)
+    for c0 in range(0, m, rows):
+        c1 = min(m, c0 + rows)
         mine = models if models.shape[0] == 1 else models[c0:c1]
-        err[c0:c1] = ((mine - truth[c0:c1].to(models)) ** 2).sum(1)
+        diff = buf[:c1 - c0]
+        torch.sub(mine, truth[c0:c1].to(models), out=diff)
+        torch.sum(diff.mul_(diff), 1, out=err[c0:c1])
     return float(err.mean()) if not ctx.sharded else ctx.sum(float(err.double().sum())) / ctx.num_clients
 
 

@@ -131,3 +131,23 @@ def test_the_largest_seed_runs_with_a_net():
     fed, _ = _small()
     res = pflcore.run(A.FedAvg(lr=0.1), fed, models.MLP(9, 4, 4), rounds=1, seed=2 ** 64 - 1, progress=False)
     assert res.history[-1]["round"] == 1
+
+
+def test_mean_sq_error_in_chunks_equals_the_direct_formula():
+    """The stat error's chunked computation (one reused buffer) gives bitwise the direct
+    mean of ‖θ_i − θ*_i‖²: several chunks, one model for all, and a column slice of the models."""
+    import importlib
+
+    run_module = importlib.import_module("pflcore.run")
+
+    class One:
+        sharded = False
+
+    g = torch.Generator().manual_seed(3)
+    m, d = 5003, 610  # (chunks of 2^20 // 610 = 1,718 rows: three of them, the last short)
+    truth = torch.randn(m, d, generator=g)
+    models = torch.randn(m, d + 10, generator=g)
+    w = torch.randn(1, d, generator=g)
+    assert run_module._mean_sq_error(w, truth, One()) == float(((w - truth) ** 2).sum(1).mean())
+    sliced = models[:, :d]
+    assert run_module._mean_sq_error(sliced, truth, One()) == float(((sliced - truth) ** 2).sum(1).mean())
