@@ -194,11 +194,7 @@ inline void gather_block(const T* x, int64_t p, const int64_t* y, RowAt row_at, 
     rows[q] = x + r * p;
     labels[q] = y[r];
   }
-  if constexpr (is_contiguous_rows<RowAt>) {  // the rows kAheadRows on (glm_rows.h)
-    const char* ahead = reinterpret_cast<const char*>(rows[0] + kAheadRows * p);
-    const int64_t bytes = kRows * p * int64_t(sizeof(T));
-    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(ahead + o);
-  }
+  if constexpr (is_contiguous_rows<RowAt>) prefetch_rows_ahead(rows[0], p, kRows);
 }
 
 // Gradient sum G [P, CP] (zeroed here) of the softmax loss over the B rows rows[0..B) at W;

@@ -108,7 +108,6 @@ struct Block {
   int64_t label[NR];
 };
 
-
 template <int NR, typename RowAt>
 PFLCORE_ALWAYS_INLINE void gather(const float* x, int64_t p, const int64_t* y, RowAt row_at, int64_t u0,
                                   Block<NR>& b) {
@@ -117,11 +116,7 @@ PFLCORE_ALWAYS_INLINE void gather(const float* x, int64_t p, const int64_t* y, R
     b.row[q] = x + r * p;
     b.label[q] = y[r];
   }
-  if constexpr (NR == 8 && is_contiguous_rows<RowAt>) {  // the rows kAheadRows on (glm_rows.h)
-    const char* ahead = reinterpret_cast<const char*>(b.row[0] + kAheadRows * p);
-    const int64_t bytes = NR * p * int64_t(sizeof(float));
-    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
-  }
+  if constexpr (NR == 8 && is_contiguous_rows<RowAt>) prefetch_rows_ahead(b.row[0], p, NR);
 }
 
 // z[q] = b + x_q W for the block's rows (W [p(+1), 16], the intercept in row p).

@@ -27,6 +27,20 @@ struct ContiguousRows {
 // faults).
 constexpr int64_t kAheadRows = 16;
 
+// The `rows` rows (of p values) kAheadRows after row0 into the cache: what a block of a
+// full-batch pass asks for. Forced inline: a function whose only effect is prefetches counts as
+// having none, and GCC drops the calls it leaves out of line (then no row is asked for: the pass
+// ran at 39.9 ns a row, not 29).
+template <typename T>
+#if defined(__GNUC__)
+__attribute__((always_inline))
+#endif
+inline void prefetch_rows_ahead(const T* row0, int64_t p, int64_t rows) {
+  const char* ahead = reinterpret_cast<const char*>(row0 + kAheadRows * p);
+  const int64_t bytes = rows * p * int64_t(sizeof(T));
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(ahead + o);
+}
+
 template <typename RowAt>
 constexpr bool is_contiguous_rows = std::is_same_v<std::decay_t<RowAt>, ContiguousRows>;
 

@@ -522,13 +522,42 @@ inline void lane_sums(const Vec<T>* acc, T* out) {
   for (; k < KB; ++k) out[k] = hsum<T>(acc[k]);
 }
 
-// assign_range for few centroids (Packed::uses_dots): point by point, the K dot products x·c_k as
-// KB vector accumulators over x's coordinates, ‖x‖² in one more, the centroids from the
-// interleaved pk.cv (L1). Where K is small the tile screen above wastes the padding lanes of
-// Kpad (K = 10: 6 of 16) and reads Kpad screens per point: at K = 10, d = 60 (float32, avx2) it
-// ran 573 instructions a point (callgrind), this path 389 with the direct distance. The screens are the same
-// ‖c‖² − 2x·c in T with the same error bound (any summation order), and the candidates go
-// through the same exact recheck, so labels and distances are those of assign_range_p.
+// How many points ahead assign_range_dots asks for a point's row: the first load of each row is
+// the hottest instruction of the Lloyd loop; this took 5-12% off its time at 100,000 x 60, K = 10.
+constexpr int64_t kPointsAhead = 24;
+
+// The row kPointsAhead points after x (rows of d values) into the cache (forced inline: see
+// glm_rows.h's prefetch_rows_ahead).
+template <typename T>
+PFLCORE_KM_INLINE void prefetch_point_ahead(const T* x, int64_t d) {
+  const char* ahead = reinterpret_cast<const char*>(x + kPointsAhead * d);
+  for (int64_t off = 0; off < d * int64_t(sizeof(T)); off += 64) __builtin_prefetch(ahead + off);
+}
+
+// Emits point i (row x) of assign_range_dots, in either of its forms: with one candidate, `from`,
+// its distance from single (which may do more in the same pass over x); otherwise the first
+// minimum of the direct distances over the centroids k in [from, K) that is_candidate(k) admits.
+template <typename T, typename IsCandidate, typename Single, typename OnPoint>
+PFLCORE_KM_INLINE void emit_dots_point(int64_t i, const T* x, const Packed<T>& pk, int64_t candidates, int64_t from,
+                                       IsCandidate is_candidate, Single& single, OnPoint& on_point) {
+  const int64_t d = pk.d, K = pk.K;
+  if (candidates == 1) {  // the usual case
+    on_point(i, from, single(i, from, x, pk.rows + from * d), true);
+    return;
+  }
+  T best = std::numeric_limits<T>::infinity();
+  int64_t arg = -1;
+  for (int64_t k = from; k < K; ++k) {
+    if (!is_candidate(k)) continue;
+    const T dist = sqdist_direct(x, pk.rows + k * d, d);
+    if (arg < 0 || dist < best) {
+      best = dist;
+      arg = k;
+    }
+  }
+  on_point(i, arg, best, false);
+}
+
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
 // r[q] = row q of a 16 x 16 float block -> r[j] = its column j (lane q: row q's element j).
 PFLCORE_KM_INLINE void transpose16(__m512 (&r)[16]) {
@@ -571,13 +600,9 @@ PFLCORE_KM_INLINE void transpose16(__m512 (&r)[16]) {
 template <int KB, bool kCached, typename Single, typename OnPoint>
 PFLCORE_KM_INLINE bool dots_block_lanes(const float* points, int64_t b0, const Packed<float>& pk, double* xnorm,
                                         Single& single, OnPoint& on_point) {
-  constexpr int64_t kAhead = 24;
   const int64_t d = pk.d, K = pk.K;
   const float* x0 = points + b0 * d;
-  for (int p = 0; p < 16; ++p) {  // the rows kAhead points on (as the row form asks for them)
-    const char* ahead = reinterpret_cast<const char*>(x0 + (p + kAhead) * d);
-    for (int64_t off = 0; off < d * int64_t(sizeof(float)); off += 64) __builtin_prefetch(ahead + off);
-  }
+  for (int p = 0; p < 16; ++p) prefetch_point_ahead(x0 + p * d, d);  // (as the row form asks for them)
   __m512 acc[KB];
   for (int k = 0; k < KB; ++k) acc[k] = _mm512_setzero_ps();
   __m512 xx = _mm512_setzero_ps();
@@ -650,31 +675,22 @@ PFLCORE_KM_INLINE bool dots_block_lanes(const float* points, int64_t b0, const P
   _mm512_store_si512(countv, count);
   _mm512_store_si512(firstv, first);
   for (int p = 0; p < 16; ++p) {
-    const int64_t i = b0 + p;
-    const float* x = x0 + p * d;
     const bool all = (every >> p) & 1u;
     const int64_t candidates = all ? K : countv[p];
-    const int64_t from = all ? 0 : candidates ? firstv[p] : K;
-    if (candidates == 1) {  // the usual case
-      on_point(i, from, single(i, from, x, pk.rows + from * d), true);
-      continue;
-    }
-    float best = std::numeric_limits<float>::infinity();
-    int64_t arg = -1;
-    for (int64_t k = from; k < K; ++k) {
-      if (!(all || screen[k][p] <= limv[p])) continue;
-      const float dist = sqdist_direct(x, pk.rows + k * d, d);
-      if (arg < 0 || dist < best) {
-        best = dist;
-        arg = k;
-      }
-    }
-    on_point(i, arg, best, false);
+    emit_dots_point(b0 + p, x0 + p * d, pk, candidates, all ? 0 : candidates ? firstv[p] : K,
+                    [&](int64_t k) { return all || screen[k][p] <= limv[p]; }, single, on_point);
   }
   return true;
 }
 #endif
 
+// assign_range for few centroids (Packed::uses_dots): point by point, the K dot products x·c_k as
+// KB vector accumulators over x's coordinates, ‖x‖² in one more, the centroids from the
+// interleaved pk.cv (L1). Where K is small the tile screen above wastes the padding lanes of
+// Kpad (K = 10: 6 of 16) and reads Kpad screens per point: at K = 10, d = 60 (float32, avx2) it
+// ran 573 instructions a point (callgrind), this path 389 with the direct distance. The screens are the same
+// ‖c‖² − 2x·c in T with the same error bound (any summation order), and the candidates go
+// through the same exact recheck, so labels and distances are those of assign_range_p.
 template <typename T, int KB, bool kCached, typename Single, typename OnPoint>
 void assign_range_dots(const T* points, int64_t i0, int64_t i1, const Packed<T>& pk, double* xnorm,
                        Faults& faults, Single&& single, OnPoint&& on_point) {
@@ -690,7 +706,6 @@ void assign_range_dots(const T* points, int64_t i0, int64_t i1, const Packed<T>&
   // dependent steps (the sums, their reduction, the minimum, the bound, the recheck); apart,
   // the points' chains are independent, so the CPU overlaps them.
   constexpr int kBlock = 16;
-  constexpr int64_t kAhead = 24;
   alignas(64) T sums[kBlock][KV * L];  // x·c_k of the block's points (0 past KB)
   T norms[kBlock];                     // ‖x‖² in T
   for (int64_t b0 = i0; b0 < i1; b0 += kBlock) {
@@ -702,11 +717,7 @@ void assign_range_dots(const T* points, int64_t i0, int64_t i1, const Packed<T>&
 #endif
   for (int p = 0; p < nb; ++p) {
     const T* x = points + (b0 + p) * d;
-    {  // the row kAhead points on, into the cache (the first load of each row is the hottest
-       // instruction of the Lloyd loop; this took 5-12% off its time at 100,000 x 60, K = 10)
-      const char* ahead = reinterpret_cast<const char*>(x + kAhead * d);
-      for (int64_t off = 0; off < d * int64_t(sizeof(T)); off += 64) __builtin_prefetch(ahead + off);
-    }
+    prefetch_point_ahead(x, d);
     const T* cb = pk.cv.data();  // [blocks][KB][L]
     V acc[KB];
 #pragma GCC unroll 24
@@ -779,21 +790,8 @@ void assign_range_dots(const T* points, int64_t i0, int64_t i1, const Packed<T>&
         candidates += __builtin_popcount(bits);
       }
     }
-    if (candidates == 1) {  // the usual case
-      on_point(i, first, single(i, first, x, pk.rows + first * d), true);
-      continue;
-    }
-    T best = inf;
-    int64_t arg = -1;
-    for (int64_t k = first < 0 ? K : first; k < K; ++k) {
-      if (!(every || screen[k] <= lim)) continue;
-      const T dist = sqdist_direct(x, pk.rows + k * d, d);
-      if (arg < 0 || dist < best) {
-        best = dist;
-        arg = k;
-      }
-    }
-    on_point(i, arg, best, false);
+    emit_dots_point(i, x, pk, candidates, first < 0 ? K : first,
+                    [&](int64_t k) { return every || screen[k] <= lim; }, single, on_point);
   }
   }
 }

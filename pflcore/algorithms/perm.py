@@ -160,14 +160,21 @@ def _farthest_point_labels(Y: torch.Tensor, k: int) -> torch.Tensor:
     return labels
 
 
+def _native_with(G: torch.Tensor, kernel: str):
+    """The native module where it has ``kernel`` and serves ``G``'s device (the CPU, not forced onto
+    the reference backend), else None."""
+    if G.device.type != "cpu" or backend.requested() == "reference":
+        return None
+    core = backend.loaded("native")
+    return core if core is not None and hasattr(core, kernel) else None
+
+
 def _screen_kernel(G: torch.Tensor):
     """The native module where it computes the screen's statistics for ``G`` (CPU, float32/float64,
     contiguous, not forced onto the reference backend), else None."""
-    if G.device.type != "cpu" or G.dtype not in (torch.float32, torch.float64) or not G.is_contiguous() \
-            or backend.requested() == "reference":
+    if G.dtype not in (torch.float32, torch.float64) or not G.is_contiguous():
         return None
-    core = backend.loaded("native")
-    return core if core is not None and hasattr(core, "perm_screen_stats") else None
+    return _native_with(G, "perm_screen_stats")
 
 
 def _screen_stats_native(G: torch.Tensor, omega: torch.Tensor, k: int):
@@ -394,15 +401,17 @@ def _screen_need(sq_s: torch.Tensor, mu_sq: torch.Tensor, t: torch.Tensor, label
 def _bounds_kernel(G: torch.Tensor):
     """The native module where it computes the screen's bounds (``perm_screen_need``) for
     statistics of ``G`` (on the CPU, not forced onto the reference backend), else None."""
-    if G.device.type != "cpu" or backend.requested() == "reference":
-        return None
-    core = backend.loaded("native")
-    return core if core is not None and hasattr(core, "perm_screen_need") else None
+    return _native_with(G, "perm_screen_need")
+
+
+def _key_bits(k: int, device) -> torch.Tensor:
+    """int64 ``[k]``: the bit of each column in a row's key (column 0 most significant)."""
+    return torch.pow(2, torch.arange(k - 1, -1, -1, device=device, dtype=torch.int64))
 
 
 def _patterns_of_keys(keys: torch.Tensor, k: int):
     """``_row_patterns``' result from the rows' int64 keys (bit k − 1 − b for cluster b)."""
-    bits = torch.pow(2, torch.arange(k - 1, -1, -1, device=keys.device, dtype=torch.int64))
+    bits = _key_bits(k, keys.device)
     uniq, group = torch.unique(keys, return_inverse=True)
     return ((uniq[:, None] // bits[None, :]) % 2).to(torch.bool), group
 
@@ -436,11 +445,7 @@ def _row_patterns(need: torch.Tensor):
     r, k = need.shape
     if k > 62 or r == 0:
         return torch.unique(need, dim=0, return_inverse=True)
-    bits = torch.pow(2, torch.arange(k - 1, -1, -1, device=need.device, dtype=torch.int64))  # column 0 most significant
-    keys = (need.to(torch.int64) * bits).sum(dim=1)
-    uniq, group = torch.unique(keys, return_inverse=True)
-    patterns = ((uniq[:, None] // bits[None, :]) % 2).to(torch.bool)
-    return patterns, group
+    return _patterns_of_keys((need.to(torch.int64) * _key_bits(k, need.device)).sum(dim=1), k)
 
 
 MERGE_GROWTH = 1.25  # see _merged_patterns
