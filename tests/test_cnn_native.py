@@ -190,6 +190,63 @@ def test_conv_pool_relu_equals_the_gemm_then_the_pooling(R, k, pool, wz, ho, dty
         assert int((outs[0] == -5.0).sum()) == 0 and int((idxs[0] < 0).sum()) == 0
 
 
+@pytest.mark.parametrize("R, cin, k, pool, wz, ho", [(6, 3, 5, 2, 32, 28), (16, 6, 5, 2, 14, 10), (5, 2, 3, 3, 11, 9),
+                                                  (3, 5, 7, 2, 13, 8), (2, 1, 8, 2, 19, 12), (7, 4, 1, 1, 5, 3),
+                                                  (1, 7, 2, 2, 9, 6)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pooled_corr_equals_the_reference(R, cin, k, pool, wz, ho, dtype):
+    """The weight and bias gradients from the pooled gradient's nonzero windows (``pooled_corr``)
+    against the dense sum over the pooling's gradient planes (the reference): kernel sizes 1 to 8
+    (every accumulator-block remainder of 1 to 7 input channels), three models whose gradient
+    blocks sit in wider rows, windows the ReLU zeroes, a gradient that is exactly 0; and a NaN in
+    the pooled gradient reaches its channel's weight and bias gradients, as in the dense sum."""
+    G, n = 3, 4
+    hp = ho + k - 1
+    L = hp * wz
+    P = -(-ho * wz // 16) * 16
+    h2, w2 = ho // pool, (wz - k + 1) // pool
+    g = _gen(R * 100 + cin * 10 + k)
+    src = torch.randn(G * n * cin * L + 64, generator=g, dtype=dtype)
+    taps = torch.tensor([i * wz + j for i in range(k) for j in range(k)])
+    off = (torch.arange(cin)[:, None] * L + taps).reshape(-1)
+    w = torch.randn(G, R, cin * k * k, generator=g, dtype=dtype)
+    bias = torch.randn(G, R, generator=g, dtype=dtype)
+    h = torch.empty(G * n * R * h2 * w2, dtype=dtype)
+    idx = torch.empty(G * n * R * h2 * w2, dtype=torch.int32)
+    strides = (n * R * h2 * w2, R * h2 * w2, h2 * w2, w2, 1)
+    NATIVE.conv_pool_relu(src, cin * L, off, w, bias, G, n, R, P, wz, h2, w2, pool, h, *strides, idx)
+    assert 0 < int((h > 0).sum()) < h.numel()  # (some windows the ReLU zeroes)
+    da = torch.randn(h.numel(), generator=g, dtype=dtype)
+    da[torch.nonzero(h > 0).flatten()[::5]] = 0.0  # gradients that are exactly 0 where h > 0
+    for poison in (False, True):
+        if poison:  # a NaN where the ReLU passes it: model 1, channel R − 1
+            at = torch.nonzero(h.view(G, n, R, -1)[1, :, R - 1].reshape(-1) > 0).flatten()[0]
+            i, q = divmod(int(at), h2 * w2)
+            da.view(G, n, R, -1)[1, i, R - 1, q] = float("nan")
+        outs = []
+        for ops in (NATIVE, REF):
+            dw = torch.full((G, R * cin * k * k + 5), 7.0, dtype=dtype)[:, :R * cin * k * k].view(G, R, cin * k * k)
+            db = torch.full((G, R + 3), 7.0, dtype=dtype)[:, :R]
+            ops.pooled_corr(da, h, G, n, R, h2, w2, *strides, idx, src, cin * L, L, wz, cin, k, dw, db)
+            outs.append((dw, db))
+        (dw, db), (dw_ref, db_ref) = outs
+        torch.testing.assert_close(dw, dw_ref, equal_nan=True, **TOL[dtype])
+        torch.testing.assert_close(db, db_ref, equal_nan=True, **TOL[dtype])
+        if poison:
+            assert bool(torch.isnan(dw[1, R - 1]).all()) and bool(torch.isnan(db[1, R - 1]))
+            assert int(torch.isnan(dw).sum()) == cin * k * k and int(torch.isnan(db).sum()) == 1
+        else:
+            assert bool(torch.isfinite(dw).all()) and float(dw.abs().max()) > 0.1
+
+
+def test_pooled_corr_refuses_kernels_past_8_taps_a_row():
+    z = torch.zeros(64)
+    idx = torch.zeros(4, dtype=torch.int32)
+    dw, db = torch.zeros(1, 81), torch.zeros(1, 1)
+    with pytest.raises(ValueError, match="^cnn_pooled_corr: .*k <= 8"):
+        NATIVE.pooled_corr(z, z, 1, 1, 1, 2, 2, 4, 4, 4, 2, 1, idx, z, 64, 64, 9, 1, 9, dw, db)
+
+
 def test_conv_pool_relu_refuses_windows_past_its_positions():
     src, out = torch.zeros(256), torch.zeros(64)
     idx = torch.zeros(64, dtype=torch.int32)
@@ -205,9 +262,10 @@ def test_conv_pool_relu_refuses_windows_past_its_positions():
                                              kernel_size=3, pool=3, padding=2, hidden=(6,))])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_conv_backward_is_the_three_kernels_model_by_model(net, dtype):
-    """``conv_backward`` (the pooling's gradient into one model's scratch, then the weight, bias and
-    input gradients from it, model by model) gives the bits of the three kernels over the whole
-    chunk, and the reference's values, at every conv layer of a chunk of 3 models."""
+    """``conv_backward`` (the weight and bias gradients from the pooled gradient, the pooling's
+    gradient into one model's scratch and the input gradient from it, model by model) gives the bits
+    of the kernels over the whole chunk (``pooled_corr``, ``pool_relu_backward``, ``input_grad``),
+    and the reference's values, at every conv layer of a chunk of 3 models."""
     from pflcore import models
     model = models.CNN(**net)
     c, n = 3, 5
@@ -233,7 +291,8 @@ def test_conv_backward_is_the_three_kernels_model_by_model(net, dtype):
         dz = torch.empty(N * geo.cout * geo.lz, dtype=dtype)
         NATIVE.pool_relu_backward(da, h, N, geo.cout, geo.h2, geo.w2, n, *st, idx, dz, geo.lz)
         dW, db = torch.empty(c, geo.cout, Tn, dtype=dtype), torch.empty(c, geo.cout, dtype=dtype)
-        NATIVE.shifted_corr(dz, geo.cout * geo.lz, geo.lz, a, geo.cin * geo.L, geo.off_f, c, n, geo.cout, geo.lz, dW, db)
+        NATIVE.pooled_corr(da, h, c, n, geo.cout, geo.h2, geo.w2, *st, idx, a, geo.cin * geo.L, geo.L, geo.wp, geo.cin,
+                           k, dW, db)
         assert torch.equal(outs["fused"][0], dW) and torch.equal(outs["fused"][1], db)
         if with_dx:
             dx = torch.full((N * geo.cin * geo.L,), 7.0, dtype=dtype)

@@ -32,6 +32,7 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <new>
 #include <vector>
 
 #include "lane_sums.h"
@@ -382,6 +383,143 @@ void cnn_shifted_corr(const T* a, int64_t a_img, int64_t a_row, const T* src, in
   }
 }
 
+namespace {
+
+// A row of up to 8 taps (one kernel row of one input channel): 8 lanes of T (32 bytes for float:
+// one AVX2 register, half an AVX-512 one; 256-bit FMAs issue two a cycle on Zen 4, where 512-bit
+// ones issue one). Lanes past the kernel width take values that are never used.
+template <typename T>
+struct Taps8 {
+  typedef T V __attribute__((vector_size(8 * sizeof(T))));
+  static V load(const T* p) {
+    V v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+  }
+};
+
+// A zeroed scratch array whose functions are this level's own (a std::vector<float> instantiated
+// here may be the copy the linker keeps for every level: tests/test_cpu_levels.py).
+template <typename E>
+struct LevelArray {
+  explicit LevelArray(size_t n) : p(static_cast<E*>(::operator new(std::max<size_t>(n, 1) * sizeof(E), std::align_val_t(64)))) {
+    std::memset(static_cast<void*>(p), 0, std::max<size_t>(n, 1) * sizeof(E));
+  }
+  ~LevelArray() { ::operator delete(static_cast<void*>(p), std::align_val_t(64)); }
+  LevelArray(const LevelArray&) = delete;
+  LevelArray& operator=(const LevelArray&) = delete;
+  E* data() { return p; }
+  E& operator[](size_t i) { return p[i]; }
+  E* p;
+};
+
+// Accumulators of one pooled_block (CB input channels × K kernel rows): the level's registers
+// less four (the broadcast gradient, a loaded row, addresses), in units of its registers.
+template <typename T>
+constexpr int pooled_accumulators() {
+  constexpr int per = int(8 * sizeof(T)) > kVecBytes ? int(8 * sizeof(T)) / kVecBytes : 1;
+#if defined(__AVX512F__)
+  constexpr int regs = 32;
+#else
+  constexpr int regs = 16;
+#endif
+  return std::min(24, (regs - 4) / per);
+}
+
+// tot[c·K + i] (taps (c, i, 0..K) of input channels [0, CB) of s) += Σ_e g[e]·s[q[e] + c·L + i·Wp + (0..8)].
+// One chain per accumulator over the cnt windows of one image (≤ H2·W2 terms), added to the totals.
+template <typename T, int K, int CB>
+inline void pooled_block(const T* g, const int32_t* q, int64_t cnt, const T* s, int64_t L, int64_t Wp,
+                         typename Taps8<T>::V* tot) {
+  using V = typename Taps8<T>::V;
+  V acc[CB][K];
+  for (int c = 0; c < CB; ++c)
+    for (int i = 0; i < K; ++i) acc[c][i] = V{};
+  for (int64_t e = 0; e < cnt; ++e) {
+    const T* b = s + q[e];
+    const V gv = V{} + g[e];
+    for (int c = 0; c < CB; ++c)
+      for (int i = 0; i < K; ++i) acc[c][i] += gv * Taps8<T>::load(b + c * L + i * Wp);
+  }
+  for (int c = 0; c < CB; ++c)
+    for (int i = 0; i < K; ++i) tot[c * K + i] += acc[c][i];
+}
+
+// Input channels [c, Cin) in blocks of CB, then one block of the rest.
+template <typename T, int K, int CB>
+inline void pooled_channels_from(const T* g, const int32_t* q, int64_t cnt, const T* s, int64_t L, int64_t Wp,
+                                 int64_t c, int64_t Cin, typename Taps8<T>::V* tot) {
+  for (; c + CB <= Cin; c += CB) pooled_block<T, K, CB>(g, q, cnt, s + c * L, L, Wp, tot + c * K);
+  if constexpr (CB > 1) {
+    if (c < Cin) pooled_channels_from<T, K, CB - 1>(g, q, cnt, s, L, Wp, c, Cin, tot);
+  }
+}
+
+template <typename T, int K>
+inline void pooled_taps(const T* g, const int32_t* q, int64_t cnt, const T* s, int64_t L, int64_t Wp, int64_t Cin,
+                        typename Taps8<T>::V* tot) {
+  constexpr int CB = std::max(1, pooled_accumulators<T>() / K);
+  pooled_channels_from<T, K, CB>(g, q, cnt, s, L, Wp, 0, Cin, tot);
+}
+
+}  // namespace
+
+template <typename T>
+void cnn_pooled_corr(const T* da, const T* h, int64_t G, int64_t n, int64_t C, int64_t H2, int64_t W2,
+                     int64_t in_group, int64_t in_img, int64_t s_c, int64_t s_y, int64_t s_x, const int32_t* idx,
+                     const T* src, int64_t src_img, int64_t L, int64_t Wp, int64_t Cin, int64_t k, T* dw,
+                     int64_t dw_model, T* db, int64_t db_model) {
+  using V = typename Taps8<T>::V;
+  const int64_t W = H2 * W2, K2 = k * k, NA = Cin * k;
+  LevelArray<T> gl(static_cast<size_t>(W));
+  LevelArray<int32_t> ql(static_cast<size_t>(W));
+  LevelArray<V> tot(static_cast<size_t>(C * NA));
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t a = 0; a < C * NA; ++a) tot[size_t(a)] = V{};
+    T* dbg = db + g * db_model;
+    for (int64_t r = 0; r < C; ++r) dbg[r] = T(0);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t img = g * n + i;
+      const T* si = src + img * src_img;
+      for (int64_t r = 0; r < C; ++r) {
+        // the windows whose gradient is not 0, compacted without a branch on the data (every
+        // window written, the count advanced where it stays); the ReLU's gradient as in
+        // cnn_pool_relu_backward; the bias gradient sums every window in order
+        const int32_t* ir = idx + (img * C + r) * W;
+        const T* dar = da + g * in_group + i * in_img + r * s_c;
+        const T* hr = h + g * in_group + i * in_img + r * s_c;
+        int64_t cnt = 0;
+        T bias = T(0);
+        for (int64_t y = 0; y < H2; ++y)
+          for (int64_t x = 0; x < W2; ++x) {
+            const int64_t o = y * s_y + x * s_x;
+            const T gv = hr[o] > T(0) ? dar[o] : T(0);
+            gl[size_t(cnt)] = gv;
+            ql[size_t(cnt)] = ir[y * W2 + x];
+            cnt += !(gv == T(0));  // (a NaN stays: it reaches the weight gradient, as in the dense sum)
+            bias += gv;
+          }
+        dbg[r] += bias;
+        V* tr = tot.data() + r * NA;
+        switch (k) {
+          case 1: pooled_taps<T, 1>(gl.data(), ql.data(), cnt, si, L, Wp, Cin, tr); break;
+          case 2: pooled_taps<T, 2>(gl.data(), ql.data(), cnt, si, L, Wp, Cin, tr); break;
+          case 3: pooled_taps<T, 3>(gl.data(), ql.data(), cnt, si, L, Wp, Cin, tr); break;
+          case 4: pooled_taps<T, 4>(gl.data(), ql.data(), cnt, si, L, Wp, Cin, tr); break;
+          case 5: pooled_taps<T, 5>(gl.data(), ql.data(), cnt, si, L, Wp, Cin, tr); break;
+          case 6: pooled_taps<T, 6>(gl.data(), ql.data(), cnt, si, L, Wp, Cin, tr); break;
+          case 7: pooled_taps<T, 7>(gl.data(), ql.data(), cnt, si, L, Wp, Cin, tr); break;
+          default: pooled_taps<T, 8>(gl.data(), ql.data(), cnt, si, L, Wp, Cin, tr); break;
+        }
+      }
+    }
+    T* dwg = dw + g * dw_model;
+    for (int64_t r = 0; r < C; ++r)
+      for (int64_t a = 0; a < NA; ++a)  // a = ci·k + ti: taps (ci, ti, 0..k) = dw[r][ci][ti][..]
+        for (int64_t j = 0; j < k; ++j) dwg[r * Cin * K2 + a * k + j] = tot[size_t(r * NA + a)][j];
+  }
+}
+
 // One pooled plane: the first maximal input of each window in row-major order (a NaN wins), as
 // torch's, and its ReLU. Branch-free selects: the comparisons follow the data, so branches on them
 // mispredicted about once a window (~4x the time of the selects on the CIFAR net's first layer).
@@ -572,7 +710,10 @@ PFLCORE_LEVEL_END
                                       int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, T*, int64_t,     \
                                       int64_t, int64_t, int64_t, int64_t, int32_t*);                                  \
   template void cnn_pool_relu_backward<T>(const T*, const T*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,   \
-                                          int64_t, int64_t, int64_t, int64_t, const int32_t*, T*, int64_t);
+                                          int64_t, int64_t, int64_t, int64_t, const int32_t*, T*, int64_t);            \
+  template void cnn_pooled_corr<T>(const T*, const T*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, \
+                                   int64_t, int64_t, int64_t, const int32_t*, const T*, int64_t, int64_t, int64_t,    \
+                                   int64_t, int64_t, T*, int64_t, T*, int64_t);
 PFLCORE_LEVEL_BEGIN
 PFLCORE_CNN_INSTANTIATE(float)
 PFLCORE_CNN_INSTANTIATE(double)

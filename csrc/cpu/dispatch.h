@@ -61,6 +61,10 @@ template <typename T>
 using CnnCorrFn = void (*)(const T*, int64_t, int64_t, const T*, int64_t, const int64_t*, int64_t, int64_t, int64_t,
                            int64_t, int64_t, T*, T*);
 template <typename T>
+using CnnPooledCorrFn = void (*)(const T*, const T*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                 int64_t, int64_t, int64_t, const int32_t*, const T*, int64_t, int64_t, int64_t, int64_t,
+                                 int64_t, T*, int64_t, T*, int64_t);
+template <typename T>
 using CnnPoolFn = void (*)(const T*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, T*,
                            int64_t, int64_t, int64_t, int64_t, int64_t, int32_t*);
 template <typename T>
@@ -110,6 +114,7 @@ struct KernelTable {
   Typed<CnnPoolFn> cnn_pool_relu;
   Typed<CnnConvPoolFn> cnn_conv_pool_relu;
   Typed<CnnPoolBackFn> cnn_pool_relu_backward;
+  Typed<CnnPooledCorrFn> cnn_pooled_corr;
   Typed<CnnDenseGradFn> cnn_dense_grad;
   Typed<CnnDenseLogitsFn> cnn_dense_logits;
   Typed<SymProductsFn> sym_products;

@@ -139,6 +139,14 @@ class NativeOps:
         self.core.cnn_shifted_corr(a.dtype is torch.float64, a.data_ptr(), a_img, a_row, src.data_ptr(), src_img,
                                    off.data_ptr(), off.numel(), G, n, R, P, dw.data_ptr(), db.data_ptr())
 
+    def pooled_corr(self, da, h, G, n, C, h2, w2, in_group, in_img, s_c, s_y, s_x, idx, src, src_img, L, wp, cin, k,
+                    dw, db):
+        """``dw [G, C, ...]`` and ``db [G, C]``: each model's block contiguous, the models any stride
+        apart (the rows of a gradient buffer)."""
+        self.core.cnn_pooled_corr(da.dtype is torch.float64, da.data_ptr(), h.data_ptr(), G, n, C, h2, w2, in_group,
+                                  in_img, s_c, s_y, s_x, idx.data_ptr(), src.data_ptr(), src_img, L, wp, cin, k,
+                                  dw.data_ptr(), dw.stride(0), db.data_ptr(), db.stride(0))
+
     def pool_relu(self, z, N, C, z_row, wz, h2, w2, pool, n, out, out_group, out_img, s_c, s_y, s_x, idx):
         self.core.cnn_pool_relu(z.dtype is torch.float64, z.data_ptr(), N, C, z_row, wz, h2, w2, pool, n,
                                 out.data_ptr(), out_group, out_img, s_c, s_y, s_x, idx.data_ptr())
@@ -253,6 +261,21 @@ class TorchOps:
         z = src.new_empty(G * n * R * P)
         self.shifted_gemm(src, src_img, off, w, bias, G, n, R, P, z, R * P, P)
         self.pool_relu(z, G * n, R, P, wz, h2, w2, pool, n, out, out_group, out_img, s_c, s_y, s_x, idx)
+
+    def pooled_corr(self, da, h, G, n, C, h2, w2, in_group, in_img, s_c, s_y, s_x, idx, src, src_img, L, wp, cin, k,
+                    dw, db):
+        """The weight and bias gradients from the pooled gradient (``cnn_pooled_corr``): the pooling's
+        gradient into dz, then ``shifted_corr`` with the taps ci·L + ti·Wp + tj."""
+        P = -(-(int(idx.max()) + 1) // 16) * 16 if idx.numel() else 16  # (dz only needs to hold every maximum)
+        dz = da.new_empty(G * n * C * P)
+        self.pool_relu_backward(da, h, G * n, C, h2, w2, n, in_group, in_img, s_c, s_y, s_x, idx, dz, P)
+        t = torch.arange(cin * k * k, device=da.device)
+        off = (t // (k * k)) * L + ((t // k) % k) * wp + t % k
+        grad_w = dw.new_empty(G, C, cin * k * k)
+        grad_b = db.new_empty(G, C)
+        self.shifted_corr(dz, C * P, P, src, src_img, off, G, n, C, P, grad_w, grad_b)
+        dw.copy_(grad_w.view(dw.shape))
+        db.copy_(grad_b.view(db.shape))
 
     def conv_backward(self, da, h, C, h2, w2, n, in_group, in_img, s_c, s_y, s_x, idx, P, src, src_img, off, G, dw,
                       db, wt, cin, k, wp, qv, dx, dx_img, dx_row):
