@@ -66,7 +66,7 @@ void require(bool ok, const char* op, const std::string& what) {
 // Raises the call's first fault (if any) as the Python exception of its kind.
 // Whether a conv layer's taps off [Tn] are k rows of k taps per input channel at
 // ci·L + ti·Wp + tj with L = src_img / Cin (the layout of pflcore/backends/cnn_native.py), k <= 8:
-// what cnn_pooled_corr reads.
+// what cnn_pooled_backward reads.
 bool pooled_taps_layout(const int64_t* off, int64_t Tn, int64_t Cin, int64_t k, int64_t Wp, int64_t src_img) {
   if (Cin < 1 || k < 1 || k > 8 || Wp < k || Tn != Cin * k * k || src_img % Cin != 0) return false;
   const int64_t L = src_img / Cin;
@@ -75,6 +75,17 @@ bool pooled_taps_layout(const int64_t* off, int64_t Tn, int64_t Cin, int64_t k, 
     if (off[t] != ci * L + ti * Wp + tj) return false;
   }
   return true;
+}
+
+// Whether every window's maximum idx [count] is >= 0 with idx + reach < row: the pooled input
+// gradient's writes inside their plane.
+bool windows_fit(const int32_t* idx, int64_t count, int64_t reach, int64_t row) {
+  int32_t lo = 0, hi = -1;
+  for (int64_t i = 0; i < count; ++i) {
+    lo = std::min(lo, idx[i]);
+    hi = std::max(hi, idx[i]);
+  }
+  return lo >= 0 && int64_t(hi) + reach < row;
 }
 
 void raise_faults(const Faults& faults) {
@@ -488,20 +499,24 @@ PYBIND11_MODULE(_core, m) {
   // dx is given, its input gradient from that scratch. The same kernels and values as the three
   // calls above over the whole chunk, without writing and reading back a chunk-sized dz (3.8 MB for
   // the MNIST net's first layer at 7 models of 20 rows; a model's scratch stays in L2).
-  m.def("cnn_pooled_corr", [](bool f64, ptr_t da, ptr_t h, int64_t G, int64_t n, int64_t C, int64_t H2, int64_t W2,
-                              int64_t in_group, int64_t in_img, int64_t s_c, int64_t s_y, int64_t s_x, ptr_t idx,
-                              ptr_t src, int64_t src_img, int64_t L, int64_t Wp, int64_t Cin, int64_t k, ptr_t dw,
-                              int64_t dw_model, ptr_t db, int64_t db_model) {
+  m.def("cnn_pooled_backward", [](bool f64, ptr_t da, ptr_t h, int64_t G, int64_t n, int64_t C, int64_t H2,
+                                  int64_t W2, int64_t in_group, int64_t in_img, int64_t s_c, int64_t s_y, int64_t s_x,
+                                  ptr_t idx, ptr_t src, int64_t src_img, int64_t L, int64_t Wp, int64_t Cin, int64_t k,
+                                  ptr_t dw, int64_t dw_model, ptr_t db, int64_t db_model, ptr_t wt, ptr_t dx,
+                                  int64_t dx_img, int64_t dx_row) {
     require(G >= 0 && n >= 1 && C >= 0 && H2 >= 0 && W2 >= 0 && Cin >= 1 && k >= 1 && k <= 8 && L >= 1 && Wp >= k &&
                 dw_model >= C * Cin * k * k && db_model >= C,
-            "cnn_pooled_corr", "expected n >= 1, Cin >= 1, 1 <= k <= 8, Wp >= k, dw_model >= C·Cin·k², db_model >= C");
+            "cnn_pooled_backward", "expected n >= 1, Cin >= 1, 1 <= k <= 8, Wp >= k, dw_model >= C·Cin·k², db_model >= C");
+    require(!dx || (wt && dx_row >= 1 && dx_img >= Cin * dx_row &&
+                    windows_fit(as<const int32_t>(idx), G * n * C * H2 * W2, (k - 1) * (Wp + 1), dx_row)),
+            "cnn_pooled_backward", "expected wt, dx_img >= Cin·dx_row and every window's idx + (k − 1)(Wp + 1) < dx_row with dx");
     py::gil_scoped_release nogil;
     const cpu::KernelTable& kt = cpu::active();
     auto run = [&](auto zero) {
       using T = decltype(zero);
-      kt.cnn_pooled_corr.of<T>()(as<const T>(da), as<const T>(h), G, n, C, H2, W2, in_group, in_img, s_c, s_y, s_x,
-                                 as<const int32_t>(idx), as<const T>(src), src_img, L, Wp, Cin, k, as<T>(dw), dw_model,
-                                 as<T>(db), db_model);
+      kt.cnn_pooled_backward.of<T>()(as<const T>(da), as<const T>(h), G, n, C, H2, W2, in_group, in_img, s_c, s_y, s_x,
+                                     as<const int32_t>(idx), as<const T>(src), src_img, L, Wp, Cin, k, as<T>(dw),
+                                     dw_model, as<T>(db), db_model, as<const T>(wt), as<T>(dx), dx_img, dx_row);
     };
     if (f64) run(double{}); else run(float{});
   });
@@ -516,29 +531,34 @@ PYBIND11_MODULE(_core, m) {
             "dw_model >= C·Tn, db_model >= C");
     require(!dx || (wt && k >= 1 && Cin >= 0 && Qv >= 0 && Qv <= P && Qv + (k - 1) * (Wp + 1) <= dx_row),
             "cnn_conv_backward", "expected wt, k >= 1, Qv <= P, Qv + (k - 1)(Wp + 1) <= dx_row with dx");
-    // The weight gradient from the pooled gradient's nonzero windows (cnn_pooled_corr: a quarter of
-    // the positions at 2 x 2 pooling, fewer after the ReLU) where the taps are k rows of k <= 8 in
-    // the layout it assumes (off[t] = ci·L + ti·Wp + tj, L = src_img / Cin); else the dense sum over
-    // dz's positions (cnn_shifted_corr).
-    const bool pooled = pooled_taps_layout(as<const int64_t>(off), Tn, Cin, k, Wp, src_img);
+    // The gradients from the pooled gradient's nonzero windows (cnn_pooled_backward: a quarter of the
+    // positions at 2 x 2 pooling, fewer after the ReLU, no dz) where the taps are k rows of k <= 8 in
+    // the layout it assumes (off[t] = ci·L + ti·Wp + tj, L = src_img / Cin) and every window's
+    // writes lie inside dx's planes; else the dense sums over dz's positions.
+    const bool pooled = pooled_taps_layout(as<const int64_t>(off), Tn, Cin, k, Wp, src_img) &&
+                        (!dx || windows_fit(as<const int32_t>(idx), G * n * C * H2 * W2, (k - 1) * (Wp + 1), dx_row));
     py::gil_scoped_release nogil;
     const cpu::KernelTable& kt = cpu::active();
     auto run = [&](auto zero) {
       using T = decltype(zero);
-      std::vector<T> dz(static_cast<size_t>(!pooled || dx ? n * C * P : 0));
+      std::vector<T> dz(static_cast<size_t>(pooled ? 0 : n * C * P));
       const int64_t K2 = k * k;
       for (int64_t g = 0; g < G; ++g) {
-        if (!pooled || dx)  // (the input gradient reads dz; the pooled weight gradient does not)
+        if (!pooled)
           kt.cnn_pool_relu_backward.of<T>()(as<const T>(da) + g * in_group, as<const T>(h) + g * in_group, n, C, H2,
                                             W2, n, in_group, in_img, s_c, s_y, s_x,
                                             as<const int32_t>(idx) + g * n * C * H2 * W2, dz.data(), P);
-        if (pooled)
-          kt.cnn_pooled_corr.of<T>()(as<const T>(da) + g * in_group, as<const T>(h) + g * in_group, 1, n, C, H2, W2,
-                                     in_group, in_img, s_c, s_y, s_x, as<const int32_t>(idx) + g * n * C * H2 * W2,
-                                     as<const T>(src) + g * n * src_img, src_img, src_img / Cin, Wp, Cin, k,
-                                     as<T>(dw) + g * dw_model, dw_model, as<T>(db) + g * db_model, db_model);
-        else
-          kt.cnn_shifted_corr.of<T>()(dz.data(), C * P, P, as<const T>(src) + g * n * src_img, src_img,
+        if (pooled) {
+          kt.cnn_pooled_backward.of<T>()(as<const T>(da) + g * in_group, as<const T>(h) + g * in_group, 1, n, C, H2,
+                                         W2, in_group, in_img, s_c, s_y, s_x,
+                                         as<const int32_t>(idx) + g * n * C * H2 * W2,
+                                         as<const T>(src) + g * n * src_img, src_img, src_img / Cin, Wp, Cin, k,
+                                         as<T>(dw) + g * dw_model, dw_model, as<T>(db) + g * db_model, db_model,
+                                         dx ? as<const T>(wt) + g * Cin * K2 * C : nullptr,
+                                         dx ? as<T>(dx) + g * n * dx_img : nullptr, dx_img, dx_row);
+          continue;
+        }
+        kt.cnn_shifted_corr.of<T>()(dz.data(), C * P, P, as<const T>(src) + g * n * src_img, src_img,
                                       as<const int64_t>(off), Tn, 1, n, C, P, as<T>(dw) + g * dw_model,
                                       as<T>(db) + g * db_model);
         if (dx)

@@ -194,12 +194,14 @@ def test_conv_pool_relu_equals_the_gemm_then_the_pooling(R, k, pool, wz, ho, dty
                                                   (3, 5, 7, 2, 13, 8), (2, 1, 8, 2, 19, 12), (7, 4, 1, 1, 5, 3),
                                                   (1, 7, 2, 2, 9, 6)])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_pooled_corr_equals_the_reference(R, cin, k, pool, wz, ho, dtype):
-    """The weight and bias gradients from the pooled gradient's nonzero windows (``pooled_corr``)
-    against the dense sum over the pooling's gradient planes (the reference): kernel sizes 1 to 8
-    (every accumulator-block remainder of 1 to 7 input channels), three models whose gradient
-    blocks sit in wider rows, windows the ReLU zeroes, a gradient that is exactly 0; and a NaN in
-    the pooled gradient reaches its channel's weight and bias gradients, as in the dense sum."""
+def test_pooled_backward_equals_the_reference(R, cin, k, pool, wz, ho, dtype):
+    """The weight, bias and input gradients from the pooled gradient's nonzero windows
+    (``pooled_backward``) against the dense sums over the pooling's gradient planes (the
+    reference): kernel sizes 1 to 8 (every accumulator-block remainder of 1 to 7 input channels),
+    three models whose gradient blocks sit in wider rows, windows the ReLU zeroes, gradients that
+    are exactly 0, nothing written past the input gradient's planes; and a NaN in the pooled
+    gradient reaches its channel's weight and bias gradients and the input positions its window
+    read, and no other, as in the dense sums."""
     G, n = 3, 4
     hp = ho + k - 1
     L = hp * wz
@@ -210,6 +212,7 @@ def test_pooled_corr_equals_the_reference(R, cin, k, pool, wz, ho, dtype):
     taps = torch.tensor([i * wz + j for i in range(k) for j in range(k)])
     off = (torch.arange(cin)[:, None] * L + taps).reshape(-1)
     w = torch.randn(G, R, cin * k * k, generator=g, dtype=dtype)
+    wt = w.view(G, R, cin, k * k).permute(0, 2, 3, 1).contiguous()  # [G, Cin, k², R]: the input gradient's
     bias = torch.randn(G, R, generator=g, dtype=dtype)
     h = torch.empty(G * n * R * h2 * w2, dtype=dtype)
     idx = torch.empty(G * n * R * h2 * w2, dtype=torch.int32)
@@ -218,6 +221,7 @@ def test_pooled_corr_equals_the_reference(R, cin, k, pool, wz, ho, dtype):
     assert 0 < int((h > 0).sum()) < h.numel()  # (some windows the ReLU zeroes)
     da = torch.randn(h.numel(), generator=g, dtype=dtype)
     da[torch.nonzero(h > 0).flatten()[::5]] = 0.0  # gradients that are exactly 0 where h > 0
+    N = G * n
     for poison in (False, True):
         if poison:  # a NaN where the ReLU passes it: model 1, channel R − 1
             at = torch.nonzero(h.view(G, n, R, -1)[1, :, R - 1].reshape(-1) > 0).flatten()[0]
@@ -227,24 +231,37 @@ def test_pooled_corr_equals_the_reference(R, cin, k, pool, wz, ho, dtype):
         for ops in (NATIVE, REF):
             dw = torch.full((G, R * cin * k * k + 5), 7.0, dtype=dtype)[:, :R * cin * k * k].view(G, R, cin * k * k)
             db = torch.full((G, R + 3), 7.0, dtype=dtype)[:, :R]
-            ops.pooled_corr(da, h, G, n, R, h2, w2, *strides, idx, src, cin * L, L, wz, cin, k, dw, db)
-            outs.append((dw, db))
-        (dw, db), (dw_ref, db_ref) = outs
-        torch.testing.assert_close(dw, dw_ref, equal_nan=True, **TOL[dtype])
-        torch.testing.assert_close(db, db_ref, equal_nan=True, **TOL[dtype])
+            dx = torch.full((N * cin * L + 16,), 7.0, dtype=dtype)
+            ops.pooled_backward(da, h, G, n, R, h2, w2, *strides, idx, src, cin * L, L, wz, cin, k, dw, db, wt, dx,
+                                cin * L, L)
+            assert bool((dx[N * cin * L:] == 7.0).all())  # nothing past the planes
+            outs.append((dw, db, dx[:N * cin * L]))
+        for got, want in zip(*outs):
+            torch.testing.assert_close(got, want, equal_nan=True, **TOL[dtype])
+        (dw, db, dx) = outs[0]
         if poison:
             assert bool(torch.isnan(dw[1, R - 1]).all()) and bool(torch.isnan(db[1, R - 1]))
             assert int(torch.isnan(dw).sum()) == cin * k * k and int(torch.isnan(db).sum()) == 1
+            assert int(torch.isnan(dx).sum()) == cin * k * k  # the k x k input positions of each channel it read
         else:
-            assert bool(torch.isfinite(dw).all()) and float(dw.abs().max()) > 0.1
+            assert bool(torch.isfinite(dw).all()) and float(dw.abs().max()) > 0.1 and float(dx.abs().max()) > 0.1
+        # without the input gradient: the same weight and bias gradients, bit for bit
+        dw2, db2 = torch.empty(G, R, cin * k * k, dtype=dtype), torch.empty(G, R, dtype=dtype)
+        NATIVE.pooled_backward(da, h, G, n, R, h2, w2, *strides, idx, src, cin * L, L, wz, cin, k, dw2, db2)
+        assert torch.equal(dw2.isnan(), dw.isnan()) and torch.equal(dw2.nan_to_num(), dw.nan_to_num())
+        assert torch.equal(db2.nan_to_num(), db.nan_to_num())
 
 
-def test_pooled_corr_refuses_kernels_past_8_taps_a_row():
-    z = torch.zeros(64)
+def test_pooled_backward_refuses_what_it_cannot_serve():
+    z = torch.zeros(256)
     idx = torch.zeros(4, dtype=torch.int32)
     dw, db = torch.zeros(1, 81), torch.zeros(1, 1)
-    with pytest.raises(ValueError, match="^cnn_pooled_corr: .*k <= 8"):
-        NATIVE.pooled_corr(z, z, 1, 1, 1, 2, 2, 4, 4, 4, 2, 1, idx, z, 64, 64, 9, 1, 9, dw, db)
+    with pytest.raises(ValueError, match="^cnn_pooled_backward: .*k <= 8"):
+        NATIVE.pooled_backward(z, z, 1, 1, 1, 2, 2, 4, 4, 4, 2, 1, idx, z, 64, 64, 9, 1, 9, dw, db)
+    wt, dx = torch.zeros(25), torch.zeros(64)
+    idx[3] = 40  # a window whose 5 x 5 taps (Wp = 6) would reach past a plane of 64 values
+    with pytest.raises(ValueError, match="^cnn_pooled_backward: .*< dx_row"):
+        NATIVE.pooled_backward(z, z, 1, 1, 1, 2, 2, 4, 4, 4, 2, 1, idx, z, 64, 64, 6, 1, 5, dw, db, wt, dx, 64, 64)
 
 
 def test_conv_pool_relu_refuses_windows_past_its_positions():
@@ -262,10 +279,9 @@ def test_conv_pool_relu_refuses_windows_past_its_positions():
                                              kernel_size=3, pool=3, padding=2, hidden=(6,))])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_conv_backward_is_the_three_kernels_model_by_model(net, dtype):
-    """``conv_backward`` (the weight and bias gradients from the pooled gradient, the pooling's
-    gradient into one model's scratch and the input gradient from it, model by model) gives the bits
-    of the kernels over the whole chunk (``pooled_corr``, ``pool_relu_backward``, ``input_grad``),
-    and the reference's values, at every conv layer of a chunk of 3 models."""
+    """``conv_backward`` (the weight, bias and input gradients from the pooled gradient, model by
+    model) gives the bits of ``pooled_backward`` over the whole chunk, and the reference's values,
+    at every conv layer of a chunk of 3 models."""
     from pflcore import models
     model = models.CNN(**net)
     c, n = 3, 5
@@ -288,16 +304,12 @@ def test_conv_backward_is_the_three_kernels_model_by_model(net, dtype):
             ops.conv_backward(da, h, geo.cout, geo.h2, geo.w2, n, *st, idx, geo.lz, a, geo.cin * geo.L, geo.off_f, c,
                               dW, db, Wt, geo.cin, k, geo.wp, geo.qv, dx, geo.cin * geo.L, geo.L)
             outs[name] = (dW, db, dx)
-        dz = torch.empty(N * geo.cout * geo.lz, dtype=dtype)
-        NATIVE.pool_relu_backward(da, h, N, geo.cout, geo.h2, geo.w2, n, *st, idx, dz, geo.lz)
         dW, db = torch.empty(c, geo.cout, Tn, dtype=dtype), torch.empty(c, geo.cout, dtype=dtype)
-        NATIVE.pooled_corr(da, h, c, n, geo.cout, geo.h2, geo.w2, *st, idx, a, geo.cin * geo.L, geo.L, geo.wp, geo.cin,
-                           k, dW, db)
+        dx = torch.full((N * geo.cin * geo.L,), 7.0, dtype=dtype) if with_dx else None
+        NATIVE.pooled_backward(da, h, c, n, geo.cout, geo.h2, geo.w2, *st, idx, a, geo.cin * geo.L, geo.L, geo.wp,
+                               geo.cin, k, dW, db, Wt, dx, geo.cin * geo.L, geo.L)
         assert torch.equal(outs["fused"][0], dW) and torch.equal(outs["fused"][1], db)
         if with_dx:
-            dx = torch.full((N * geo.cin * geo.L,), 7.0, dtype=dtype)
-            NATIVE.input_grad(dz, geo.cout * geo.lz, geo.lz, Wt, c, n, geo.cout, geo.cin, k, geo.wp, geo.lz, geo.qv, dx,
-                              geo.cin * geo.L, geo.L)
             assert torch.equal(outs["fused"][2], dx)
         for got, want in zip(outs["fused"], outs["ref"]):
             if want is not None:

@@ -30,6 +30,7 @@
 // Models (groups) are independent, sums run in a fixed order, and nothing is threaded here: the
 // caller runs one chunk of models per thread, so the bits do not depend on the thread count.
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <new>
@@ -462,25 +463,64 @@ inline void pooled_taps(const T* g, const int32_t* q, int64_t cnt, const T* s, i
   pooled_channels_from<T, K, CB>(g, q, cnt, s, L, Wp, 0, Cin, tot);
 }
 
+// dx[c·dx_row + q + i·Wp + (0..k)] += g·w[c][i][0..k] for the input channels c < Cin and kernel
+// rows i < k of one window at its maximum q (w: [Cin][k][8], zero past k): 8-lane read-modify-writes
+// whose lanes past k add exactly 0 (g finite; the caller takes the others), each up to 7 values
+// past its row: those inside the image's planes (zeroed, or written by this thread's earlier windows)
+// add 0 there; where the last could pass `end`, one value at a time. Successive windows of a
+// channel overlap: their rows are Cin·k writes apart (30 on the CIFAR net's second layer), which
+// keeps a read from waiting on the store of the window just before.
+template <typename T>
+inline void scatter_window(T* dx, int64_t dx_row, int64_t q, int64_t Wp, int64_t Cin, int64_t k, T g, const T* w,
+                           const T* end) {
+  using V = typename Taps8<T>::V;
+  const V gv = V{} + g;
+  if (dx + (Cin - 1) * dx_row + q + (k - 1) * Wp + 8 <= end) {
+    for (int64_t c = 0; c < Cin; ++c)
+      for (int64_t i = 0; i < k; ++i) {
+        T* d = dx + c * dx_row + q + i * Wp;
+        const V v = Taps8<T>::load(d) + gv * Taps8<T>::load(w + (c * k + i) * 8);
+        std::memcpy(d, &v, sizeof v);
+      }
+    return;
+  }
+  for (int64_t c = 0; c < Cin; ++c)
+    for (int64_t i = 0; i < k; ++i)
+      for (int64_t j = 0; j < k; ++j) dx[c * dx_row + q + i * Wp + j] += g * w[(c * k + i) * 8 + j];
+}
+
 }  // namespace
 
 template <typename T>
-void cnn_pooled_corr(const T* da, const T* h, int64_t G, int64_t n, int64_t C, int64_t H2, int64_t W2,
-                     int64_t in_group, int64_t in_img, int64_t s_c, int64_t s_y, int64_t s_x, const int32_t* idx,
-                     const T* src, int64_t src_img, int64_t L, int64_t Wp, int64_t Cin, int64_t k, T* dw,
-                     int64_t dw_model, T* db, int64_t db_model) {
+void cnn_pooled_backward(const T* da, const T* h, int64_t G, int64_t n, int64_t C, int64_t H2, int64_t W2,
+                         int64_t in_group, int64_t in_img, int64_t s_c, int64_t s_y, int64_t s_x, const int32_t* idx,
+                         const T* src, int64_t src_img, int64_t L, int64_t Wp, int64_t Cin, int64_t k, T* dw,
+                         int64_t dw_model, T* db, int64_t db_model, const T* wt, T* dx, int64_t dx_img,
+                         int64_t dx_row) {
   using V = typename Taps8<T>::V;
   const int64_t W = H2 * W2, K2 = k * k, NA = Cin * k;
   LevelArray<T> gl(static_cast<size_t>(W));
   LevelArray<int32_t> ql(static_cast<size_t>(W));
   LevelArray<V> tot(static_cast<size_t>(C * NA));
+  // the input gradient's weights of one model, [C][Cin][k][8] (zero past k), from wt [Cin][k²][C]
+  LevelArray<T> w8(static_cast<size_t>(dx ? C * NA * 8 : 0));
   for (int64_t g = 0; g < G; ++g) {
     for (int64_t a = 0; a < C * NA; ++a) tot[size_t(a)] = V{};
     T* dbg = db + g * db_model;
     for (int64_t r = 0; r < C; ++r) dbg[r] = T(0);
+    if (dx) {
+      const T* wg = wt + g * Cin * K2 * C;
+      for (int64_t r = 0; r < C; ++r)
+        for (int64_t a = 0; a < NA; ++a)  // a = ci·k + ti
+          for (int64_t j = 0; j < 8; ++j)
+            w8[size_t((r * NA + a) * 8 + j)] = j < k ? wg[((a / k) * K2 + (a % k) * k + j) * C + r] : T(0);
+    }
     for (int64_t i = 0; i < n; ++i) {
       const int64_t img = g * n + i;
       const T* si = src + img * src_img;
+      T* dxi = dx ? dx + img * dx_img : nullptr;
+      if (dx)
+        for (int64_t c = 0; c < Cin; ++c) std::memset(static_cast<void*>(dxi + c * dx_row), 0, sizeof(T) * dx_row);
       for (int64_t r = 0; r < C; ++r) {
         // the windows whose gradient is not 0, compacted without a branch on the data (every
         // window written, the count advanced where it stays); the ReLU's gradient as in
@@ -496,7 +536,7 @@ void cnn_pooled_corr(const T* da, const T* h, int64_t G, int64_t n, int64_t C, i
             const T gv = hr[o] > T(0) ? dar[o] : T(0);
             gl[size_t(cnt)] = gv;
             ql[size_t(cnt)] = ir[y * W2 + x];
-            cnt += !(gv == T(0));  // (a NaN stays: it reaches the weight gradient, as in the dense sum)
+            cnt += !(gv == T(0));  // (a NaN stays: it reaches the gradients, as in the dense sums)
             bias += gv;
           }
         dbg[r] += bias;
@@ -510,6 +550,14 @@ void cnn_pooled_corr(const T* da, const T* h, int64_t G, int64_t n, int64_t C, i
           case 6: pooled_taps<T, 6>(gl.data(), ql.data(), cnt, si, L, Wp, Cin, tr); break;
           case 7: pooled_taps<T, 7>(gl.data(), ql.data(), cnt, si, L, Wp, Cin, tr); break;
           default: pooled_taps<T, 8>(gl.data(), ql.data(), cnt, si, L, Wp, Cin, tr); break;
+        }
+        if (!dx) continue;
+        const T* wr = w8.data() + r * NA * 8;
+        const T* end = dxi + Cin * dx_row;
+        for (int64_t e = 0; e < cnt; ++e) {
+          const T gv = gl[size_t(e)];
+          // (a non-finite gradient: its k lanes alone, so that NaN·0 reaches no other position)
+          scatter_window<T>(dxi, dx_row, ql[size_t(e)], Wp, Cin, k, gv, wr, std::isfinite(gv) ? end : dxi);
         }
       }
     }
@@ -711,9 +759,10 @@ PFLCORE_LEVEL_END
                                       int64_t, int64_t, int64_t, int64_t, int32_t*);                                  \
   template void cnn_pool_relu_backward<T>(const T*, const T*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,   \
                                           int64_t, int64_t, int64_t, int64_t, const int32_t*, T*, int64_t);            \
-  template void cnn_pooled_corr<T>(const T*, const T*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, \
-                                   int64_t, int64_t, int64_t, const int32_t*, const T*, int64_t, int64_t, int64_t,    \
-                                   int64_t, int64_t, T*, int64_t, T*, int64_t);
+  template void cnn_pooled_backward<T>(const T*, const T*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,      \
+                                       int64_t, int64_t, int64_t, int64_t, const int32_t*, const T*, int64_t, int64_t, \
+                                       int64_t, int64_t, int64_t, T*, int64_t, T*, int64_t, const T*, T*, int64_t,     \
+                                       int64_t);
 PFLCORE_LEVEL_BEGIN
 PFLCORE_CNN_INSTANTIATE(float)
 PFLCORE_CNN_INSTANTIATE(double)

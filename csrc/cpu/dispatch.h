@@ -61,9 +61,10 @@ template <typename T>
 using CnnCorrFn = void (*)(const T*, int64_t, int64_t, const T*, int64_t, const int64_t*, int64_t, int64_t, int64_t,
                            int64_t, int64_t, T*, T*);
 template <typename T>
-using CnnPooledCorrFn = void (*)(const T*, const T*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                                 int64_t, int64_t, int64_t, const int32_t*, const T*, int64_t, int64_t, int64_t, int64_t,
-                                 int64_t, T*, int64_t, T*, int64_t);
+using CnnPooledBackwardFn = void (*)(const T*, const T*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                     int64_t, int64_t, int64_t, int64_t, const int32_t*, const T*, int64_t, int64_t,
+                                     int64_t, int64_t, int64_t, T*, int64_t, T*, int64_t, const T*, T*, int64_t,
+                                     int64_t);
 template <typename T>
 using CnnPoolFn = void (*)(const T*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, T*,
                            int64_t, int64_t, int64_t, int64_t, int64_t, int32_t*);
@@ -114,7 +115,7 @@ struct KernelTable {
   Typed<CnnPoolFn> cnn_pool_relu;
   Typed<CnnConvPoolFn> cnn_conv_pool_relu;
   Typed<CnnPoolBackFn> cnn_pool_relu_backward;
-  Typed<CnnPooledCorrFn> cnn_pooled_corr;
+  Typed<CnnPooledBackwardFn> cnn_pooled_backward;
   Typed<CnnDenseGradFn> cnn_dense_grad;
   Typed<CnnDenseLogitsFn> cnn_dense_logits;
   Typed<SymProductsFn> sym_products;

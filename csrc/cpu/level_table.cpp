@@ -25,7 +25,7 @@ const KernelTable& level_table() {
     t.cnn_pool_relu = {cnn_pool_relu<float>, cnn_pool_relu<double>};
     t.cnn_conv_pool_relu = {cnn_conv_pool_relu<float>, cnn_conv_pool_relu<double>};
     t.cnn_pool_relu_backward = {cnn_pool_relu_backward<float>, cnn_pool_relu_backward<double>};
-    t.cnn_pooled_corr = {cnn_pooled_corr<float>, cnn_pooled_corr<double>};
+    t.cnn_pooled_backward = {cnn_pooled_backward<float>, cnn_pooled_backward<double>};
     t.cnn_dense_grad = {cnn_dense_grad<float>, cnn_dense_grad<double>};
     t.cnn_dense_logits = {cnn_dense_logits<float>, cnn_dense_logits<double>};
     t.sym_products = {sym_products<float>, sym_products<double>};

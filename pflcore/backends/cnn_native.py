@@ -139,13 +139,15 @@ class NativeOps:
         self.core.cnn_shifted_corr(a.dtype is torch.float64, a.data_ptr(), a_img, a_row, src.data_ptr(), src_img,
                                    off.data_ptr(), off.numel(), G, n, R, P, dw.data_ptr(), db.data_ptr())
 
-    def pooled_corr(self, da, h, G, n, C, h2, w2, in_group, in_img, s_c, s_y, s_x, idx, src, src_img, L, wp, cin, k,
-                    dw, db):
+    def pooled_backward(self, da, h, G, n, C, h2, w2, in_group, in_img, s_c, s_y, s_x, idx, src, src_img, L, wp, cin,
+                        k, dw, db, wt=None, dx=None, dx_img=0, dx_row=0):
         """``dw [G, C, ...]`` and ``db [G, C]``: each model's block contiguous, the models any stride
-        apart (the rows of a gradient buffer)."""
-        self.core.cnn_pooled_corr(da.dtype is torch.float64, da.data_ptr(), h.data_ptr(), G, n, C, h2, w2, in_group,
-                                  in_img, s_c, s_y, s_x, idx.data_ptr(), src.data_ptr(), src_img, L, wp, cin, k,
-                                  dw.data_ptr(), dw.stride(0), db.data_ptr(), db.stride(0))
+        apart (the rows of a gradient buffer); the input gradient into ``dx`` where given."""
+        self.core.cnn_pooled_backward(da.dtype is torch.float64, da.data_ptr(), h.data_ptr(), G, n, C, h2, w2,
+                                      in_group, in_img, s_c, s_y, s_x, idx.data_ptr(), src.data_ptr(), src_img, L, wp,
+                                      cin, k, dw.data_ptr(), dw.stride(0), db.data_ptr(), db.stride(0),
+                                      0 if dx is None else wt.data_ptr(), 0 if dx is None else dx.data_ptr(), dx_img,
+                                      dx_row)
 
     def pool_relu(self, z, N, C, z_row, wz, h2, w2, pool, n, out, out_group, out_img, s_c, s_y, s_x, idx):
         self.core.cnn_pool_relu(z.dtype is torch.float64, z.data_ptr(), N, C, z_row, wz, h2, w2, pool, n,
@@ -262,11 +264,13 @@ class TorchOps:
         self.shifted_gemm(src, src_img, off, w, bias, G, n, R, P, z, R * P, P)
         self.pool_relu(z, G * n, R, P, wz, h2, w2, pool, n, out, out_group, out_img, s_c, s_y, s_x, idx)
 
-    def pooled_corr(self, da, h, G, n, C, h2, w2, in_group, in_img, s_c, s_y, s_x, idx, src, src_img, L, wp, cin, k,
-                    dw, db):
-        """The weight and bias gradients from the pooled gradient (``cnn_pooled_corr``): the pooling's
-        gradient into dz, then ``shifted_corr`` with the taps ci·L + ti·Wp + tj."""
-        P = -(-(int(idx.max()) + 1) // 16) * 16 if idx.numel() else 16  # (dz only needs to hold every maximum)
+    def pooled_backward(self, da, h, G, n, C, h2, w2, in_group, in_img, s_c, s_y, s_x, idx, src, src_img, L, wp, cin,
+                        k, dw, db, wt=None, dx=None, dx_img=0, dx_row=0):
+        """The gradients from the pooled gradient (``cnn_pooled_backward``): the pooling's gradient into
+        dz, then ``shifted_corr`` with the taps ci·L + ti·Wp + tj and, where ``dx`` is given,
+        ``input_grad`` (dx's values outside the windows' reach: 0)."""
+        reach = (k - 1) * (wp + 1)
+        P = -(-(int(idx.max()) + 1) // 16) * 16 if idx.numel() else 16  # (dz holds every maximum)
         dz = da.new_empty(G * n * C * P)
         self.pool_relu_backward(da, h, G * n, C, h2, w2, n, in_group, in_img, s_c, s_y, s_x, idx, dz, P)
         t = torch.arange(cin * k * k, device=da.device)
@@ -276,6 +280,9 @@ class TorchOps:
         self.shifted_corr(dz, C * P, P, src, src_img, off, G, n, C, P, grad_w, grad_b)
         dw.copy_(grad_w.view(dw.shape))
         db.copy_(grad_b.view(db.shape))
+        if dx is not None:
+            qv = min(P, dx_row - reach)  # (dz is 0 past the last maximum)
+            self.input_grad(dz, C * P, P, wt, G, n, C, cin, k, wp, P, qv, dx, dx_img, dx_row)
 
     def conv_backward(self, da, h, C, h2, w2, n, in_group, in_img, s_c, s_y, s_x, idx, P, src, src_img, off, G, dw,
                       db, wt, cin, k, wp, qv, dx, dx_img, dx_row):

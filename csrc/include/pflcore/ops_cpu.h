@@ -158,20 +158,25 @@ template <typename T>
 void cnn_pool_relu_backward(const T* da, const T* h, int64_t N, int64_t C, int64_t H2, int64_t W2, int64_t n,
                             int64_t in_group, int64_t in_img, int64_t s_c, int64_t s_y, int64_t s_x,
                             const int32_t* idx, T* dz, int64_t dz_row);
-// The weight and bias gradients of a conv layer from its pooled gradient, without dz: the same
-// values as cnn_pool_relu_backward then cnn_shifted_corr (summed in another order), from the
+// A conv layer's backward from its pooled gradient, without dz: the same values as
+// cnn_pool_relu_backward then cnn_shifted_corr and cnn_input_grad (summed in another order), from the
 // windows whose gradient (da where h > 0) is not 0, each at its maximum idx: per window and input
 // channel, k kernel rows of k taps (k <= 8)
 //   dw[g·dw_model + r·Cin·k² + t] = Σ_{i in g} Σ_{windows} grad · src[(g·n + i)·src_img + idx + ci·L + ti·Wp + tj],
-//   db[g·db_model + r] = Σ_{i in g} Σ_{windows} grad
+//   db[g·db_model + r] = Σ_{i in g} Σ_{windows} grad,
+//   dx[(g·n + i)·dx_img + ci·dx_row + idx + ti·Wp + tj] = Σ_r Σ_{windows} grad · wt[g][ci][ti·k + tj][r]
+//                                                         (where dx is not null; every other value of
+//                                                          the Cin planes of dx_row values: 0)
 // for t = (ci·k + ti)·k + tj; da and h at g·in_group + i·in_img + r·s_c + y·s_y + x·s_x, idx at
-// ((g·n + i)·C + r)·H2·W2 + y·W2 + x. Reads up to 7 values past each kernel row (the input's slack).
+// ((g·n + i)·C + r)·H2·W2 + y·W2 + x. Reads up to 7 values past each kernel row of src (the
+// input's slack); dx: idx + (k − 1)·(Wp + 1) < dx_row for every window.
 template <typename T>
-void cnn_pooled_corr(const T* da, const T* h, int64_t G, int64_t n, int64_t C, int64_t H2, int64_t W2,
-                     int64_t in_group, int64_t in_img, int64_t s_c, int64_t s_y, int64_t s_x, const int32_t* idx,
-                     const T* src, int64_t src_img, int64_t L, int64_t Wp, int64_t Cin, int64_t k,
-                     T* dw /*[G, C, Cin·k·k] models dw_model apart*/, int64_t dw_model, T* db /*[G, C]*/,
-                     int64_t db_model);
+void cnn_pooled_backward(const T* da, const T* h, int64_t G, int64_t n, int64_t C, int64_t H2, int64_t W2,
+                         int64_t in_group, int64_t in_img, int64_t s_c, int64_t s_y, int64_t s_x, const int32_t* idx,
+                         const T* src, int64_t src_img, int64_t L, int64_t Wp, int64_t Cin, int64_t k,
+                         T* dw /*[G, C, Cin·k·k] models dw_model apart*/, int64_t dw_model, T* db /*[G, C]*/,
+                         int64_t db_model, const T* wt /*[G, Cin, k·k, C] or null*/, T* dx /*or null*/,
+                         int64_t dx_img, int64_t dx_row);
 // The dense layers of G CNN models on their n rows each (csrc/cpu/cnn_dense.cpp): forward from
 // the features, the gradient of Σ_r w_r·ce_r into each layer's weight and bias gradient (model g's
 // layer l at gW[l] + g·grad_model[2l], gb[l] + g·grad_model[2l + 1]) and the gradient at the
