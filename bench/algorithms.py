@@ -618,7 +618,10 @@ def rows_of_mlp_step(r):
 def cnn_flops(model: CNN, B: int) -> int:
     """2 x multiply-adds of one client-step (forward; backward: weight gradients of every layer,
     input gradients of every layer but the first), from the layer shapes (pooling and ReLU not
-    counted)."""
+    counted): the dense computation's count, which the loop and vmap perform. pflcore's conv
+    backward runs from the pooled gradient's nonzero windows (``cnn_pooled_backward``: about a
+    quarter of those multiply-adds at 2 x 2 pooling, fewer after the ReLU), so its GFLOP/s here
+    are effective rates, and its fraction of the matmul's rate can pass 1."""
     c, h, w = model.image_shape
     fwd, first_in = [], True
     for cout in model.channels:
