@@ -493,12 +493,8 @@ PYBIND11_MODULE(_core, m) {
     else k.cnn_pool_relu_backward.f32(as<const float>(da), as<const float>(h), N, C, H2, W2, n, in_group, in_img,
                                       s_c, s_y, s_x, as<const int32_t>(idx), as<float>(dz), dz_row);
   });
-  // One conv layer's backward, model by model: the pooling's gradient into a scratch of one model's
-  // output-gradient planes (n·C planes of P values), then its weight and bias gradients (model g's
-  // at dw + g·dw_model and db + g·db_model: straight into the rows of a [G, d] gradient) and, where
-  // dx is given, its input gradient from that scratch. The same kernels and values as the three
-  // calls above over the whole chunk, without writing and reading back a chunk-sized dz (3.8 MB for
-  // the MNIST net's first layer at 7 models of 20 rows; a model's scratch stays in L2).
+  // A conv layer's weight, bias and (where dx is given) input gradients from its pooled gradient's
+  // nonzero windows (csrc/cpu/cnn.cpp); every window's writes checked to lie inside dx's planes.
   m.def("cnn_pooled_backward", [](bool f64, ptr_t da, ptr_t h, int64_t G, int64_t n, int64_t C, int64_t H2,
                                   int64_t W2, int64_t in_group, int64_t in_img, int64_t s_c, int64_t s_y, int64_t s_x,
                                   ptr_t idx, ptr_t src, int64_t src_img, int64_t L, int64_t Wp, int64_t Cin, int64_t k,
@@ -520,6 +516,13 @@ PYBIND11_MODULE(_core, m) {
     };
     if (f64) run(double{}); else run(float{});
   });
+  // One conv layer's backward, model by model (model g's weight and bias gradients at dw + g·dw_model
+  // and db + g·db_model: straight into the rows of a [G, d] gradient): cnn_pooled_backward where it
+  // serves the layer; else the pooling's gradient into a scratch of one model's output-gradient
+  // planes (n·C planes of P values), its weight and bias gradients and, where dx is given, its
+  // input gradient from that scratch, without a chunk-sized dz (3.8 MB for the MNIST net's first
+  // layer at 7 models of 20 rows; a model's scratch stays in L2). The same values as the kernels'
+  // calls above over the whole chunk.
   m.def("cnn_conv_backward", [](bool f64, ptr_t da, ptr_t h, int64_t C, int64_t H2, int64_t W2, int64_t n,
                                 int64_t in_group, int64_t in_img, int64_t s_c, int64_t s_y, int64_t s_x, ptr_t idx,
                                 int64_t P, ptr_t src, int64_t src_img, ptr_t off, int64_t Tn, int64_t G, ptr_t dw,

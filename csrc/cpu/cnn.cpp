@@ -13,7 +13,10 @@
 // next input row): never read by the pooling, and zero in every gradient, so they add nothing
 // to dw. The input gradient (cnn_input_grad) is the scatter form: the same GEMM with the Cout
 // gradient planes as its taps gives, per input channel, each tap's contribution, added back onto
-// the pixels the tap read (col2im).
+// the pixels the tap read (col2im). After max-pooling, dz is zero but at each window's maximum:
+// cnn_pooled_backward takes both gradients from those windows alone (a quarter of the positions
+// at 2 x 2 pooling, fewer after the ReLU, and no garbage columns), the dense forms serving
+// kernels wider than 8.
 //
 // Register blocks: 12 accumulators (of AVX2's 16 registers) in every block: shifted_gemm keeps
 // RB output rows × VB vectors of positions (4 × 3; 3 × 4 where the rows are a multiple of 3; a

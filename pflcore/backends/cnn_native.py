@@ -25,16 +25,19 @@ Layout (N = c·n images, image i = g·n + r is row r of model g):
   ``csrc/cpu/cnn_dense.cpp`` on the avx2 and avx512 levels, torch's ``bmm`` elsewhere); the
   features ``[c, C·H·W, n]`` of ``cnn_im2col.ChunkHead``'s dense layers where a caller asks to keep
   the forward's state without the gradient (``logits_t(keep=True)``).
-* Backward (``conv_backward``, one layer, model by model: a model's dz stays in L2): the pooled
-  gradient goes into ``dz [n, Cout, Lz]`` (zeros elsewhere, the garbage columns included); the
-  weight gradient is ``shifted_corr(dz, input)``, written straight into the rows of the
-  gradient; the input gradient (not for the first layer: the rows are data) is ``input_grad``:
-  per input channel, the k² tap planes ``Σ_co W[co, ci, tap]·dz[co]`` (a shifted GEMM over the
-  Cout planes) summed back onto the pixels each tap read (col2im, as a gather over the tap
-  planes), in the input's ``[N, Cin, L]`` layout, where the previous layer's pooling gradient
-  reads it. (The gather form of the whole product, a full correlation of a zero-padded dz,
-  multiplied zeros for every tap reaching past dz's borders: 2x the work on the CIFAR net's
-  10x10 second layer.)
+* Backward (``conv_backward``, one layer, model by model): from the pooled gradient alone
+  (``cnn_pooled_backward``, kernels of at most 8 x 8): each channel's windows whose gradient is
+  not 0 (the ReLU passes it and it is not 0; at 2 x 2 pooling a quarter of the positions, fewer
+  after the ReLU) at their maxima; the weight gradient sums, per window and input channel, the
+  k kernel rows of input the maximum read (8-lane vectors), and the input gradient (not for the
+  first layer: the rows are data) scatters the window's gradient times those kernel rows back
+  onto the same input positions, in the input's ``[N, Cin, L]`` layout, where the previous
+  layer's pooling gradient reads it. No dz is written. Larger kernels take the dense sums over
+  the pooling's gradient planes dz ``[n, Cout, Lz]``: the weight gradient ``shifted_corr(dz,
+  input)``, the input gradient ``input_grad`` (per input channel the k² tap planes
+  ``Σ_co W[co, ci, tap]·dz[co]``, a shifted GEMM over the Cout planes, summed back onto the
+  pixels each tap read, col2im as a gather over the tap planes). Either way the weight and bias
+  gradients go straight into the rows of the gradient.
 
 ``TorchOps`` is the same operations in torch (the reference the tests check the kernels
 against; also a chunk that runs anywhere, slowly). Determinism: a chunk runs on one thread and the
