@@ -27,6 +27,9 @@ CONFIGS = {
     # RGB: the zero 4th input channel of the grouped path; odd sizes, padding and a pool of 3
     "rgb_pool3_odd": dict(p=3 * 9 * 7, C=5, image_shape=(3, 9, 7), channels=(5, 3), kernel_size=3, pool=3,
                           padding=2, hidden=(7,)),
+    # a kernel wider than 8: the native backward's dense sums (the pooled one serves k <= 8)
+    "kernel9_dense_backward": dict(p=20 * 22, C=3, image_shape=(1, 20, 22), channels=(2, 3), kernel_size=9,
+                                   padding=4, hidden=(5,)),
 }
 
 

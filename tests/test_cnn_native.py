@@ -276,11 +276,14 @@ def test_conv_pool_relu_refuses_windows_past_its_positions():
 
 
 @pytest.mark.parametrize("net", [dict(), dict(p=3 * 11 * 13, C=4, image_shape=(3, 11, 13), channels=(5, 3),
-                                             kernel_size=3, pool=3, padding=2, hidden=(6,))])
+                                             kernel_size=3, pool=3, padding=2, hidden=(6,)),
+                                 dict(p=20 * 22, C=3, image_shape=(1, 20, 22), channels=(2, 3), kernel_size=9,
+                                      padding=4, hidden=(5,))])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_conv_backward_is_the_three_kernels_model_by_model(net, dtype):
-    """``conv_backward`` (the weight, bias and input gradients from the pooled gradient, model by
-    model) gives the bits of ``pooled_backward`` over the whole chunk, and the reference's values,
+    """``conv_backward`` (model by model) gives the bits of ``pooled_backward`` over the whole
+    chunk where it serves the layer (kernels up to 8 x 8), else of the dense kernels (the pooling's
+    gradient into dz, ``shifted_corr``, ``input_grad``: the 9 x 9 net), and the reference's values,
     at every conv layer of a chunk of 3 models."""
     from pflcore import models
     model = models.CNN(**net)
@@ -306,8 +309,17 @@ def test_conv_backward_is_the_three_kernels_model_by_model(net, dtype):
             outs[name] = (dW, db, dx)
         dW, db = torch.empty(c, geo.cout, Tn, dtype=dtype), torch.empty(c, geo.cout, dtype=dtype)
         dx = torch.full((N * geo.cin * geo.L,), 7.0, dtype=dtype) if with_dx else None
-        NATIVE.pooled_backward(da, h, c, n, geo.cout, geo.h2, geo.w2, *st, idx, a, geo.cin * geo.L, geo.L, geo.wp,
-                               geo.cin, k, dW, db, Wt, dx, geo.cin * geo.L, geo.L)
+        if k <= 8:
+            NATIVE.pooled_backward(da, h, c, n, geo.cout, geo.h2, geo.w2, *st, idx, a, geo.cin * geo.L, geo.L, geo.wp,
+                                   geo.cin, k, dW, db, Wt, dx, geo.cin * geo.L, geo.L)
+        else:
+            dz = torch.empty(N * geo.cout * geo.lz, dtype=dtype)
+            NATIVE.pool_relu_backward(da, h, N, geo.cout, geo.h2, geo.w2, n, *st, idx, dz, geo.lz)
+            NATIVE.shifted_corr(dz, geo.cout * geo.lz, geo.lz, a, geo.cin * geo.L, geo.off_f, c, n, geo.cout, geo.lz,
+                                dW, db)
+            if with_dx:
+                NATIVE.input_grad(dz, geo.cout * geo.lz, geo.lz, Wt, c, n, geo.cout, geo.cin, k, geo.wp, geo.lz,
+                                  geo.qv, dx, geo.cin * geo.L, geo.L)
         assert torch.equal(outs["fused"][0], dW) and torch.equal(outs["fused"][1], db)
         if with_dx:
             assert torch.equal(outs["fused"][2], dx)
