@@ -42,7 +42,7 @@
 #include "lane_sums.h"
 #include "pflcore/ops_cpu.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -497,7 +497,8 @@ inline void scatter_window(T* dx, int64_t dx_row, int64_t q, int64_t Wp, int64_t
 // returns how many; *db += the sum of every window's gradient. A NaN stays (it reaches the
 // gradients, as in the dense sums). Without a branch on the data: every window is written and the
 // count advances where it stays; on AVX-512, rows of windows 16 at a time (compressed in registers,
-// a masked store: compress straight to memory is slow on Zen 4) with the bias in lanes.
+// a masked store: compress straight to memory is slow on Zen 4), on AVX2 8 at a time, with the bias
+// in lanes.
 template <typename T>
 inline int64_t keep_windows(const T* da, const T* h, const int32_t* idx, int64_t H2, int64_t W2, int64_t s_y,
                             int64_t s_x, T* g, int32_t* q, T* db) {
@@ -530,6 +531,49 @@ inline int64_t keep_windows(const T* da, const T* h, const int32_t* idx, int64_t
       return cnt;
     }
   }
+#elif defined(__AVX2__)
+  if constexpr (sizeof(T) == 4) {
+    if (s_x == 1) {
+      // AVX2 has no compress: the kept lanes gathered to the front by a permutation looked up by
+      // the 8-bit mask (the whole 8 lanes stored: g and q hold 8 values past the windows)
+      struct Front {
+        alignas(32) int32_t lanes[256][8];
+        Front() {
+          for (int m = 0; m < 256; ++m) {
+            int c = 0;
+            for (int l = 0; l < 8; ++l)
+              if (m >> l & 1) lanes[m][c++] = l;
+            while (c < 8) lanes[m][c++] = 0;
+          }
+        }
+      };
+      static const Front front;
+      const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+      const __m256 zero = _mm256_setzero_ps();
+      __m256 bias = zero;
+      for (int64_t y = 0; y < H2; ++y)
+        for (int64_t x = 0; x < W2; x += 8) {
+          const __m256i in = _mm256_cmpgt_epi32(_mm256_set1_epi32(int(std::min<int64_t>(W2 - x, 8))), iota);
+          const __m256 hv = _mm256_maskload_ps(h + y * s_y + x, in);
+          const __m256 dv = _mm256_maskload_ps(da + y * s_y + x, in);
+          const __m256i iv = _mm256_maskload_epi32(idx + y * W2 + x, in);
+          const __m256 gv = _mm256_and_ps(_mm256_cmp_ps(hv, zero, _CMP_GT_OQ), dv);
+          const int keep = _mm256_movemask_ps(_mm256_and_ps(_mm256_cmp_ps(gv, zero, _CMP_NEQ_UQ),
+                                                            _mm256_castsi256_ps(in)));
+          const __m256i perm = _mm256_load_si256(reinterpret_cast<const __m256i*>(front.lanes[keep]));
+          _mm256_storeu_ps(g + cnt, _mm256_permutevar8x32_ps(gv, perm));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + cnt), _mm256_permutevar8x32_epi32(iv, perm));
+          bias = _mm256_add_ps(bias, gv);
+          cnt += __builtin_popcount(unsigned(keep));
+        }
+      alignas(32) float b[8];
+      _mm256_store_ps(b, bias);
+      float s = 0.0f;
+      for (int l = 0; l < 8; ++l) s += b[l];
+      *db += s;
+      return cnt;
+    }
+  }
 #endif
   T bias = T(0);
   for (int64_t y = 0; y < H2; ++y)
@@ -555,8 +599,8 @@ void cnn_pooled_backward(const T* da, const T* h, int64_t G, int64_t n, int64_t 
                          int64_t dx_row) {
   using V = typename Taps8<T>::V;
   const int64_t W = H2 * W2, K2 = k * k, NA = Cin * k;
-  LevelArray<T> gl(static_cast<size_t>(W));
-  LevelArray<int32_t> ql(static_cast<size_t>(W));
+  LevelArray<T> gl(static_cast<size_t>(W + 8));  // (keep_windows' AVX2 form stores 8 lanes past its count)
+  LevelArray<int32_t> ql(static_cast<size_t>(W + 8));
   LevelArray<V> tot(static_cast<size_t>(C * NA));
   // the input gradient's weights of one model, [C][Cin][k][8] (zero past k), from wt [Cin][k²][C]
   LevelArray<T> w8(static_cast<size_t>(dx ? C * NA * 8 : 0));
