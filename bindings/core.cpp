@@ -63,7 +63,6 @@ void require(bool ok, const char* op, const std::string& what) {
   if (!ok) throw py::value_error(std::string(op) + ": " + what);
 }
 
-// Raises the call's first fault (if any) as the Python exception of its kind.
 // Whether a conv layer's taps off [Tn] are k rows of k taps per input channel at
 // ci·L + ti·Wp + tj with L = src_img / Cin (the layout of pflcore/backends/cnn_native.py), k <= 8:
 // what cnn_pooled_backward reads.
@@ -88,6 +87,7 @@ bool windows_fit(const int32_t* idx, int64_t count, int64_t reach, int64_t row) 
   return lo >= 0 && int64_t(hi) + reach < row;
 }
 
+// Raises the call's first fault (if any) as the Python exception of its kind.
 void raise_faults(const Faults& faults) {
   if (!faults.any()) return;
   if (faults.kind() == FaultKind::NonFinite) {
@@ -547,10 +547,6 @@ PYBIND11_MODULE(_core, m) {
       std::vector<T> dz(static_cast<size_t>(pooled ? 0 : n * C * P));
       const int64_t K2 = k * k;
       for (int64_t g = 0; g < G; ++g) {
-        if (!pooled)
-          kt.cnn_pool_relu_backward.of<T>()(as<const T>(da) + g * in_group, as<const T>(h) + g * in_group, n, C, H2,
-                                            W2, n, in_group, in_img, s_c, s_y, s_x,
-                                            as<const int32_t>(idx) + g * n * C * H2 * W2, dz.data(), P);
         if (pooled) {
           kt.cnn_pooled_backward.of<T>()(as<const T>(da) + g * in_group, as<const T>(h) + g * in_group, 1, n, C, H2,
                                          W2, in_group, in_img, s_c, s_y, s_x,
@@ -561,6 +557,9 @@ PYBIND11_MODULE(_core, m) {
                                          dx ? as<T>(dx) + g * n * dx_img : nullptr, dx_img, dx_row);
           continue;
         }
+        kt.cnn_pool_relu_backward.of<T>()(as<const T>(da) + g * in_group, as<const T>(h) + g * in_group, n, C, H2, W2,
+                                          n, in_group, in_img, s_c, s_y, s_x,
+                                          as<const int32_t>(idx) + g * n * C * H2 * W2, dz.data(), P);
         kt.cnn_shifted_corr.of<T>()(dz.data(), C * P, P, as<const T>(src) + g * n * src_img, src_img,
                                       as<const int64_t>(off), Tn, 1, n, C, P, as<T>(dw) + g * dw_model,
                                       as<T>(db) + g * db_model);

@@ -523,11 +523,10 @@ inline int64_t keep_windows(const T* da, const T* h, const int32_t* idx, int64_t
           bias = _mm512_add_ps(bias, gv);
           cnt += count;
         }
-      alignas(64) float b[16];
-      _mm512_store_ps(b, bias);
-      float s = 0.0f;
-      for (int l = 0; l < 16; ++l) s += b[l];
-      *db += s;
+      typename Vec<T>::type lanes;  // (one register of this level: 16 lanes)
+      static_assert(sizeof lanes == sizeof bias);
+      std::memcpy(&lanes, &bias, sizeof lanes);
+      *db += Vec<T>::sum(lanes);
       return cnt;
     }
   }
@@ -566,11 +565,10 @@ inline int64_t keep_windows(const T* da, const T* h, const int32_t* idx, int64_t
           bias = _mm256_add_ps(bias, gv);
           cnt += __builtin_popcount(unsigned(keep));
         }
-      alignas(32) float b[8];
-      _mm256_store_ps(b, bias);
-      float s = 0.0f;
-      for (int l = 0; l < 8; ++l) s += b[l];
-      *db += s;
+      typename Vec<T>::type lanes;  // (one register of this level: 8 lanes)
+      static_assert(sizeof lanes == sizeof bias);
+      std::memcpy(&lanes, &bias, sizeof lanes);
+      *db += Vec<T>::sum(lanes);
       return cnt;
     }
   }
