@@ -526,12 +526,15 @@ inline void lane_sums(const Vec<T>* acc, T* out) {
 // the hottest instruction of the Lloyd loop; this took 5-12% off its time at 100,000 x 60, K = 10.
 constexpr int64_t kPointsAhead = 24;
 
-// The row kPointsAhead points after x (rows of d values) into the cache (forced inline: see
-// glm_rows.h's prefetch_rows_ahead).
+// The row kPointsAhead points after x (rows of d values) into L2, not L1 (prefetcht1; forced
+// inline: see glm_rows.h's prefetch_rows_ahead). Into L1 (prefetcht0) the same requests cost
+// more than they saved once the points outgrow the caches: at 100,000 x 60, K = 10, one thread,
+// assignment 4.3-4.6 -> 3.3-3.6 ms and Lloyd x10 66-72 -> 50-52 ms (AMD Zen 4, alternating
+// builds); 12 or 48 points ahead, or prefetcht2, were no better.
 template <typename T>
 PFLCORE_KM_INLINE void prefetch_point_ahead(const T* x, int64_t d) {
   const char* ahead = reinterpret_cast<const char*>(x + kPointsAhead * d);
-  for (int64_t off = 0; off < d * int64_t(sizeof(T)); off += 64) __builtin_prefetch(ahead + off);
+  for (int64_t off = 0; off < d * int64_t(sizeof(T)); off += 64) __builtin_prefetch(ahead + off, 0, 2);
 }
 
 // Emits point i (row x) of assign_range_dots, in either of its forms: with one candidate, `from`,
