@@ -38,7 +38,7 @@ __attribute__((always_inline))
 inline void prefetch_rows_ahead(const T* row0, int64_t p, int64_t rows) {
   const char* ahead = reinterpret_cast<const char*>(row0 + kAheadRows * p);
   const int64_t bytes = rows * p * int64_t(sizeof(T));
-  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(ahead + o);
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(ahead + o, 0, 2);
 }
 
 template <typename RowAt>
