@@ -539,7 +539,10 @@ bool row_args_ok(const GlmProblem<T>& prob, const LocalStepsArgs<T>& args, int64
 }
 
 // Asks for the minibatch's rows before they are read: they lie anywhere in the client's data,
-// so each is a cache miss, and asking for all of them at once overlaps the misses.
+// so each is a cache miss, and asking for all of them at once overlaps the misses. Into L2
+// (prefetcht1), not L1: a 5-step B = 20 local_steps of 2,000 clients (53 MB of rows) went
+// 15.9-16.2 -> 13.6-14.0 ms at 1 thread and 8.9-10.4 -> 7.8-7.9 at 2 (AMD Zen 4, alternating
+// builds), as k-means' and the full-batch rows' prefetches gained from the same change.
 template <typename T>
 inline void prefetch_rows(const GlmProblem<T>& prob, const int32_t* batch, int64_t B, int64_t lo, int64_t hi) {
   constexpr int64_t kLine = 64 / sizeof(T);
@@ -547,7 +550,7 @@ inline void prefetch_rows(const GlmProblem<T>& prob, const int32_t* batch, int64
     const int64_t row = batch[j];
     if (row < lo || row >= hi) continue;  // not read: the check reports it
     const T* xr = prob.x + row * prob.p;
-    for (int64_t k = 0; k < prob.p; k += kLine) __builtin_prefetch(xr + k);
+    for (int64_t k = 0; k < prob.p; k += kLine) __builtin_prefetch(xr + k, 0, 2);
   }
 }
 

@@ -27,7 +27,8 @@ struct ContiguousRows {
 // faults).
 constexpr int64_t kAheadRows = 16;
 
-// The `rows` rows (of p values) kAheadRows after row0 into the cache: what a block of a
+// The `rows` rows (of p values) kAheadRows after row0 into L2 (prefetcht1: into L1 it cost
+// ops.gradients at 2,000 clients 13.1-13.5 ms against 11.9-12.2, AMD Zen 4): what a block of a
 // full-batch pass asks for. Forced inline: a function whose only effect is prefetches counts as
 // having none, and GCC drops the calls it leaves out of line (then no row is asked for: the pass
 // ran at 39.9 ns a row, not 29).
