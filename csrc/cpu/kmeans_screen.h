@@ -228,7 +228,14 @@ PFLCORE_KM_INLINE T sqdist_direct_and_add(const T* __restrict__ x, const T* __re
   constexpr int L = kLanes<T>, LD = kLanes<double>;
   typedef T Part __attribute__((vector_size(LD * sizeof(T))));  // LD values of T
   auto add_part = [&](int64_t j) {  // a[j .. j + LD) += x[j .. j + LD)
-#if defined(__AVX__) && !defined(__AVX512F__)
+#if defined(__AVX512F__)
+    if constexpr (sizeof(T) == 4) {
+      // as below for AVX2: GCC lowered the generic conversion to two 128-bit conversions, an
+      // extract and an insert per 8 floats; one vcvtps2pd ymm -> zmm does it
+      _mm512_storeu_pd(a + j, _mm512_add_pd(_mm512_loadu_pd(a + j), _mm512_cvtps_pd(_mm256_loadu_ps(x + j))));
+      return;
+    }
+#elif defined(__AVX__)
     if constexpr (sizeof(T) == 4) {
       // GCC lowers the generic conversion below to two 128-bit halves and an insert per 4 floats
       // (callgrind: ~25 instructions a point at d = 60); one vcvtps2pd from memory does it
