@@ -569,32 +569,7 @@ PFLCORE_KM_INLINE void emit_dots_point(int64_t i, const T* x, const Packed<T>& p
 }
 
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
-// r[q] = row q of a 16 x 16 float block -> r[j] = its column j (lane q: row q's element j).
-PFLCORE_KM_INLINE void transpose16(__m512 (&r)[16]) {
-  __m512 t[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
-    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
-    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
-    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
-  }
-  for (int c = 0; c < 4; ++c) {
-    t[c] = _mm512_shuffle_f32x4(r[c], r[4 + c], _MM_SHUFFLE(2, 0, 2, 0));
-    t[4 + c] = _mm512_shuffle_f32x4(r[c], r[4 + c], _MM_SHUFFLE(3, 1, 3, 1));
-    t[8 + c] = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], _MM_SHUFFLE(2, 0, 2, 0));
-    t[12 + c] = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], _MM_SHUFFLE(3, 1, 3, 1));
-  }
-  for (int c = 0; c < 4; ++c) {
-    r[c] = _mm512_shuffle_f32x4(t[c], t[8 + c], _MM_SHUFFLE(2, 0, 2, 0));
-    r[8 + c] = _mm512_shuffle_f32x4(t[c], t[8 + c], _MM_SHUFFLE(3, 1, 3, 1));
-    r[4 + c] = _mm512_shuffle_f32x4(t[4 + c], t[12 + c], _MM_SHUFFLE(2, 0, 2, 0));
-    r[12 + c] = _mm512_shuffle_f32x4(t[4 + c], t[12 + c], _MM_SHUFFLE(3, 1, 3, 1));
-  }
-}
+using simd::transpose16;  // (simd.h)
 
 // assign_range_dots' work for 16 float points b0 .. b0 + 16 with the points in the lanes: each
 // chunk of 16 coordinates of the 16 rows is transposed in registers, and every centroid's dot

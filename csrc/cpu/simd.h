@@ -1,5 +1,6 @@
 // The vector width of this CPU level and the loads and stores of its GCC vector types, shared by
-// the kernels that use them (cnn_dense.cpp, sym_products.cpp, kmeans_screen.h). Included inside
+// the kernels that use them (cnn_dense.cpp, sym_products.cpp, kmeans_screen.h), and a 16 x 16
+// float transpose in registers. Included inside
 // nothing: it opens the level's namespace itself, so each level compiles its own copy.
 #pragma once
 #include <cstring>
@@ -64,6 +65,35 @@ struct Vec {
   }
 #endif
 };
+
+#if defined(__AVX512F__)
+// r[q] = row q of a 16 x 16 float block -> r[j] = its column j (lane q: row q's element j).
+inline __attribute__((always_inline)) void transpose16(__m512 (&r)[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int c = 0; c < 4; ++c) {
+    t[c] = _mm512_shuffle_f32x4(r[c], r[4 + c], _MM_SHUFFLE(2, 0, 2, 0));
+    t[4 + c] = _mm512_shuffle_f32x4(r[c], r[4 + c], _MM_SHUFFLE(3, 1, 3, 1));
+    t[8 + c] = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], _MM_SHUFFLE(2, 0, 2, 0));
+    t[12 + c] = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], _MM_SHUFFLE(3, 1, 3, 1));
+  }
+  for (int c = 0; c < 4; ++c) {
+    r[c] = _mm512_shuffle_f32x4(t[c], t[8 + c], _MM_SHUFFLE(2, 0, 2, 0));
+    r[8 + c] = _mm512_shuffle_f32x4(t[c], t[8 + c], _MM_SHUFFLE(3, 1, 3, 1));
+    r[4 + c] = _mm512_shuffle_f32x4(t[4 + c], t[12 + c], _MM_SHUFFLE(2, 0, 2, 0));
+    r[12 + c] = _mm512_shuffle_f32x4(t[4 + c], t[12 + c], _MM_SHUFFLE(3, 1, 3, 1));
+  }
+}
+#endif
 
 }  // namespace simd
 PFLCORE_LEVEL_END
