@@ -129,7 +129,7 @@ void sym_products(const T* Y, int64_t n, int64_t d, T* out) {
   if (n <= 0) return;
   const int64_t panels = (n + NR - 1) / NR;
   // panels split between the threads (the later ones hold more row blocks: dynamic), then the
-  // mirror by rows of tiles; an entry is computed by one thread in a fixed order either way
+  // mirror by strips of 16 rows; an entry is computed by one thread in a fixed order either way
 #pragma omp parallel if (n * n * d > (int64_t(1) << 22))
   {
     std::vector<T> panel(static_cast<size_t>(d * NR));
