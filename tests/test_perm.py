@@ -353,6 +353,32 @@ def test_screened_weights_equal_the_dense_solve(groups, spread, lam):
         assert float((dense > 0).double().mean()) < 0.6
 
 
+@pytest.mark.parametrize("m", [1031, 1280])
+def test_screened_weights_of_streamed_rows(m):
+    """From 1,024 clients on, the native kernel writes whole output rows by non-temporal stores from
+    a scratch row (csrc/cpu/water_fill.cpp ``stream_row``): rows of 1,031 entries start unaligned
+    (plain stores up to the first 64-byte boundary), rows of 1,280 aligned. Every entry, zeros
+    included, as the dense solve's (to the products' rounding); a block of rows too; the same bits
+    at any thread count."""
+    G, n = _grouped_gradients(m, 9, 3, 0.1, seed=m, dtype=torch.float32)
+    dense = water_filling(pairwise_sqdist(G), n, 30.0)
+    got = screened_weights(G, n, 30.0, products=torch.float64)
+    torch.testing.assert_close(got, dense, rtol=1e-9, atol=1e-12)
+    assert torch.equal(got > 1e-9, dense > 1e-9) and float((dense > 0).double().mean()) < 0.6
+    # float32 products (groups of 64 rows and more): within their rounding, the same zeros
+    low = screened_weights(G, n, 30.0)
+    torch.testing.assert_close(low, dense, rtol=0, atol=1e-6)
+    assert torch.equal(low[dense == 0] == 0, torch.ones_like(low[dense == 0], dtype=torch.bool))
+    part = screened_weights(G, n, 30.0, slice(7, 500), products=torch.float64)  # (products of other shapes)
+    torch.testing.assert_close(part, dense[7:500], rtol=1e-9, atol=1e-12)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if threads > 1 else 2)
+        assert torch.equal(screened_weights(G, n, 30.0), low)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_screened_weights_float32_gradients_and_threads():
     G, n = _grouped_gradients(200, 31, 4, 0.2, seed=9, dtype=torch.float32)
     dense = water_filling(pairwise_sqdist(G), n, 50.0)

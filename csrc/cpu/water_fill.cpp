@@ -16,12 +16,13 @@
 // the thread count.
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <vector>
 
 #include "pflcore/ops_cpu.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX__)
 #include <immintrin.h>
 #endif
 
@@ -152,6 +153,24 @@ bool inverse_weights(const double* w, int64_t k, std::vector<double>& inv_w, Fau
   return true;
 }
 
+// Rows of at least this many entries (an [m, m] output of 8 MB and more) are written by stream_row.
+constexpr int64_t kStreamedRow = 1024;
+
+// dst[0 .. n) = src[0 .. n) by non-temporal stores where dst is 64-byte aligned (plain stores for
+// the unaligned head and the tail): an output row written once and read later by another pass
+// does not evict the working set on its way out, and its lines are not read first.
+inline void stream_row(const double* src, double* dst, int64_t n) {
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  for (; j < n && (reinterpret_cast<uintptr_t>(dst + j) & 63) != 0; ++j) dst[j] = src[j];
+  for (; j + 8 <= n; j += 8) _mm512_stream_pd(dst + j, _mm512_loadu_pd(src + j));
+#elif defined(__AVX__)
+  for (; j < n && (reinterpret_cast<uintptr_t>(dst + j) & 31) != 0; ++j) dst[j] = src[j];
+  for (; j + 4 <= n; j += 4) _mm256_stream_pd(dst + j, _mm256_loadu_pd(src + j));
+#endif
+  for (; j < n; ++j) dst[j] = src[j];
+}
+
 }  // namespace
 
 void water_fill(const double* costs, int64_t r, int64_t k, const double* w, double* alpha, Faults& faults) {
@@ -182,10 +201,12 @@ void water_fill_gram(const T* gram, const double* sq_r, const double* sq_c, cons
                      int fill, double* levels, Faults& faults) {
   std::vector<double> inv_w;
   if (!inverse_weights(w, k, inv_w, faults)) return;
+  const bool streamed = fill == 2 && out_stride >= kStreamedRow;
 #pragma omp parallel if (r * k > (1 << 15))
   {
     std::vector<double> c(static_cast<size_t>(k)), Ac(static_cast<size_t>(k)), Aw(static_cast<size_t>(k));
     std::vector<int64_t> Ai(static_cast<size_t>(k));
+    std::vector<double> row(streamed ? static_cast<size_t>(out_stride) : 0, 0.0);
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < r; ++i) {
       const T* g = gram + i * k;
@@ -209,14 +230,27 @@ void water_fill_gram(const T* gram, const double* sq_r, const double* sq_c, cons
       int64_t active = -1;
       const double tau = row_level<true>(ci, w, inv_w.data(), k, Ac.data(), Aw.data(), Ai.data(), &active);
       double* o = out + out_rows[i] * out_stride;
-      if (fill == 2) std::fill(o, o + out_stride, 0.0);  // the whole row cleared here, by this row's thread
+      // a whole row to write (fill 2) that outgrows the caches: composed in the thread's zeroed
+      // scratch row, streamed out, and the scratch's written entries zeroed again
+      double* dst = streamed ? row.data() : o;
+      if (fill == 2 && !streamed) std::fill(o, o + out_stride, 0.0);  // the whole row cleared here, by this row's thread
       if (fill != 0 && active >= 0) {  // the positive weights only, w_j·(τ − c_j) as below (the same bits)
-        for (int64_t q = 0; q < active; ++q) o[cols[Ai[size_t(q)]]] = Aw[size_t(q)] * (tau - Ac[size_t(q)]);
+        for (int64_t q = 0; q < active; ++q) dst[cols[Ai[size_t(q)]]] = Aw[size_t(q)] * (tau - Ac[size_t(q)]);
       } else {
-        for (int64_t j = 0; j < k; ++j) o[cols[j]] = w[j] * std::max(0.0, tau - ci[j]);  // (no branch on the data)
+        for (int64_t j = 0; j < k; ++j) dst[cols[j]] = w[j] * std::max(0.0, tau - ci[j]);  // (no branch on the data)
+      }
+      if (streamed) {
+        stream_row(row.data(), o, out_stride);
+        if (active >= 0)
+          for (int64_t q = 0; q < active; ++q) row[size_t(cols[Ai[size_t(q)]])] = 0.0;
+        else
+          for (int64_t j = 0; j < k; ++j) row[size_t(cols[j])] = 0.0;
       }
       levels[i] = tau;
     }
+#if defined(__AVX__)
+    if (streamed) _mm_sfence();  // the streamed rows visible before the threads join
+#endif
   }
 }
 
