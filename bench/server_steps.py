@@ -24,6 +24,10 @@
           and this round is far cheaper than (a); reported, without a target.
     α is recomputed every ``alpha_every`` (default 10) rounds; its cost per round is also
     reported amortized over those rounds.
+      (c) single-loop PERM (all clients every round, 5 full-batch FedAvg steps): what α adds to
+          the round that recomputes it, against the next round, which does not. There α's
+          gradient pass at w̃ is also the FedAvg steps' first (the paper's Algorithm 2), so α adds
+          its solve and the pass's excess over one local step -- the same target, ≤ 0.5× (a).
 
     Precision: the gradients are float32, so the screened solve multiplies in float32 (rows shifted
     by their group's mean; ``screened_weights``' ``products``). Its α is compared with the dense
@@ -127,6 +131,8 @@ def bench_perm(m, repeats):
     alpha_s = min(alpha_runs)
     full_round_s = max(min(round_runs) - clone_s, 1e-9)
 
+    single = bench_single_loop_alpha(fed, model, lam_alpha, alpha_every, repeats)
+
     def shuffle():  # (b)
         alg._shuffle(copy.deepcopy(state), ctx, 3)
     copy_s = best_of(lambda: copy.deepcopy(state), repeats)  # the copy is inside `shuffle`: subtract it
@@ -139,7 +145,33 @@ def bench_perm(m, repeats):
             "pass": alpha_s <= 0.5 * full_round_s, "ratio_dense": parts["dense_alpha_s"] / full_round_s,
             "shuffle_round_s": shuffle_s, "ratio_to_shuffle_round": alpha_s / shuffle_s,
             "alpha_every": alpha_every, "alpha_per_round_amortized_s": alpha_s / alpha_every,
-            "mean_active_weights_per_client": active}
+            "mean_active_weights_per_client": active, **single,
+            "single_loop_alpha_ratio": single["single_loop_alpha_s"] / full_round_s,
+            "single_loop_pass": single["single_loop_alpha_s"] <= 0.5 * full_round_s}
+
+
+def bench_single_loop_alpha(fed, model, lam_alpha, alpha_every, repeats):
+    """(c) What α adds to a single-loop PERM round (all clients each round, 5 full-batch FedAvg
+    steps): the round that recomputes α against the round after it, which does not (both from
+    copies of the same state, alternating, best of each). In the first, α's gradient pass at w̃
+    also gives the FedAvg steps' first step (the paper's Algorithm 2), so α adds its solve and the
+    difference between that pass and one local step; the rest of the two rounds (the FedAvg steps,
+    the shuffling round's steps on ~4% of the models) is alike."""
+    alg = A.PERM(warmup_rounds=1, lam_alpha=lam_alpha, lr=0.05, local_steps=5, single_loop=True,
+                 alpha_every=alpha_every)
+    ctx = A.Context(fed, model, torch.device("cpu"), seed=0)
+    state = alg.round(alg.round(alg.init(ctx), ctx, 1), ctx, 2)  # warm-up, then α and a shuffling round
+    runs = {True: [], False: []}
+    for _ in range(repeats):
+        for refresh in (True, False):
+            s = copy.deepcopy(state)
+            s.shuffle_rounds = alpha_every * 5 + (0 if refresh else 1)  # α recomputed when divisible
+            t0 = time.perf_counter()
+            alg.round(s, ctx, 3)
+            runs[refresh].append(time.perf_counter() - t0)
+    with_alpha, without = min(runs[True]), min(runs[False])
+    return {"single_loop_round_with_alpha_s": with_alpha, "single_loop_round_without_alpha_s": without,
+            "single_loop_alpha_s": max(with_alpha - without, 0.0)}
 
 
 def main():
@@ -160,6 +192,10 @@ def main():
           f"{pe['float64_vs_float32_gradients_max_abs_diff']:.1e}), same support: {pe['screened_same_support']})"
           f" vs a round of local steps of all m models {pe['full_round_s'] * 1e3:.1f} ms:"
           f" ratio {pe['ratio']:.2f} (target <= 0.5): {'PASS' if pe['pass'] else 'FAIL'}")
+    print(f"  single-loop PERM (all clients, full-batch FedAvg steps), α's gradients also its FedAvg steps' first: "
+          f"a round {pe['single_loop_round_with_alpha_s'] * 1e3:.1f} ms with α, "
+          f"{pe['single_loop_round_without_alpha_s'] * 1e3:.1f} without: α adds {pe['single_loop_alpha_s'] * 1e3:.1f} ms,"
+          f" ratio {pe['single_loop_alpha_ratio']:.2f} (target <= 0.5): {'PASS' if pe['single_loop_pass'] else 'FAIL'}")
     print(f"  the screened solve with float64 products: {pe['screened_weights_float64_products_s'] * 1e3:.1f} ms")
     print(f"  the dense solve: distances {pe['pairwise_sqdist_s'] * 1e3:.1f} + water-filling "
           f"{pe['water_filling_s'] * 1e3:.1f} + gradients = {pe['dense_alpha_s'] * 1e3:.1f} ms, ratio {pe['ratio_dense']:.2f}")

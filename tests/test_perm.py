@@ -10,7 +10,7 @@ import torch
 import pflcore
 from pflcore import algorithms as A
 from pflcore import data, models
-from pflcore.algorithms.perm import (PERM, mixing_weights, pairwise_sqdist, screened_weights, water_filling,
+from pflcore.algorithms.perm import (PERM, PERMState, mixing_weights, pairwise_sqdist, screened_weights, water_filling,
                                      water_filling_ref)
 
 
@@ -283,21 +283,39 @@ def test_single_loop_recomputes_alpha():
     alg = PERM(warmup_rounds=0, lam_alpha=10.0, lr=0.05, local_steps=2, single_loop=True, alpha_every=3)
     ctx = A.Context(fed, model, torch.device("cpu"))
     state = alg.init(ctx)
-    alphas = []
+    alphas, starts = [], []
     for t in range(1, 8):
+        starts.append(state.w.clone())
         state = alg.round(state, ctx, t)
         alphas.append(state.alpha.clone())
     assert torch.equal(alphas[0], alphas[2]) and not torch.equal(alphas[2], alphas[3])
-    torch.testing.assert_close(alphas[3], mixing_weights(model, _w_at(alg, fed, model, 4), fed.train, 10.0))
+    # α of round 4 at the w̃ round 4 started from (the gradients its FedAvg steps start from), not at
+    # the w̃ its FedAvg made
+    assert torch.equal(alphas[3], mixing_weights(model, starts[3], fed.train, 10.0))
+    assert float((alphas[3] - mixing_weights(model, state.w, fed.train, 10.0)).abs().max()) > 1e-6
 
 
-def _w_at(alg, fed, model, t):
-    """The FedAvg model of a single-loop PERM run after round t."""
-    ctx = A.Context(fed, model, torch.device("cpu"))
-    state = alg.init(ctx)
-    for s in range(1, t + 1):
-        alg._fedavg(state, ctx, s)
-    return state.w
+def test_single_loop_fedavg_steps_start_from_alphas_gradients():
+    """A single-loop round that recomputes α runs one gradient pass: with full-batch FedAvg steps,
+    each sampled client's first step is the step along its gradient from that pass. Its w̃ is the
+    plain FedAvg round's (to rounding: the step is taken by torch, not in the kernel), and it costs
+    m gradient rows + S·(steps − 1) FedAvg steps + the shuffling round's steps."""
+    fed = data.two_groups(num_clients=12, samples_per_client=30, dim=6, seed=0)
+    model = models.Logistic(6, fit_intercept=False)
+    for steps in (1, 3):
+        alg = PERM(warmup_rounds=2, lam_alpha=10.0, lr=0.05, local_steps=2, single_loop=True, fedavg_steps=steps)
+        ctx = A.Context(fed, model, torch.device("cpu"), clients_per_round=5)
+        state = alg.init(ctx)
+        for t in (1, 2):
+            state = alg.round(state, ctx, t)
+        plain = PERMState(state.w.clone(), state.theta.clone(), state.sigma)
+        alg._fedavg(plain, ctx, 3)  # FedAvg alone, every step in the kernel
+        before = ctx.client_steps
+        state = alg.round(state, ctx, 3)  # the first shuffling round: α recomputed
+        torch.testing.assert_close(state.w, plain.w, rtol=1e-6, atol=1e-7)
+        assert not torch.equal(state.w, ctx.initial_global())
+        shuffled = int((state.alpha[torch.arange(12), alg.visits(state.sigma, 0)] > 0).sum())
+        assert ctx.client_steps - before == 12 + 5 * (steps - 1) + shuffled * 2
 
 
 def test_bad_hyperparameters():

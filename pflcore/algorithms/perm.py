@@ -18,7 +18,11 @@ permutation SGD on Σ_j α_{i,j} f_j. Pairs with α_{i,j} = 0 skip the gradient 
 
 Two-loop (default): ``warmup_rounds`` of FedAvg give w̃, α is computed once, then every round
 is a shuffling round. ``single_loop=True``: FedAvg keeps training w̃ every round (on the sampled
-clients) and α is recomputed at the current w̃ every ``alpha_every`` shuffling rounds.
+clients) and α is recomputed every ``alpha_every`` shuffling rounds at the w̃ the round starts
+from, from the gradients the clients compute there first (the paper's Algorithm 2: the server
+takes its step on w̃ and the new α from the same gradients). With full-batch FedAvg steps, a
+sampled client's first step is taken along its gradient from that pass, so a round that
+recomputes α runs one gradient pass over the clients, not a pass for α beside its FedAvg steps.
 
 Sharded runs (``pflcore.distributed``): a rank holds its clients' personalized models and their
 rows of α [m_local, m]. α needs every client's gradient (one all-gather of G [m, d]); in a
@@ -587,7 +591,8 @@ class PERM(Algorithm):
     Then every round is a shuffling round: each of the m personalized models takes
     ``local_steps`` steps of size ``lr`` on the client it visits, scaled by its α (all m models
     train every round, whatever clients_per_round). ``single_loop=True`` keeps training w̃ every
-    round and recomputes α every ``alpha_every`` shuffling rounds. ``batch_size``: minibatch
+    round and recomputes α every ``alpha_every`` shuffling rounds, at the w̃ the round starts
+    from (its FedAvg steps start from the same gradients). ``batch_size``: minibatch
     rows (None: full batch). Personalized models: θ_i."""
 
     name = "PERM"
@@ -621,11 +626,20 @@ class PERM(Algorithm):
         i = torch.arange(m, device=sigma.device) if models is None else models
         return sigma[(i + r) % m]
 
-    def _fedavg(self, state: PERMState, ctx: Context, t: int) -> None:
+    def _fedavg(self, state: PERMState, ctx: Context, t: int, G: Optional[torch.Tensor] = None) -> None:
+        """A FedAvg round on w̃. ``G``: this rank's clients' full-batch gradients at w̃ (``[m_local,
+        d]``, a single-loop round that recomputes α from them): with full-batch steps, the first
+        local step of a sampled client is the step along its row of G, taken from there (the
+        gradient pass is not run twice)."""
         S = ctx.sample_clients(t)
-        theta = replicate(state.w, S.numel())
-        b = None if self.batch_size is None else ctx.batches(t, 0, S, self.fedavg_steps, self.batch_size)
-        ctx.local_steps(theta, steps=self.fedavg_steps, lr=self.fedavg_lr, rows=S, batches=b)
+        if G is not None and self.batch_size is None:
+            theta = torch.sub(state.w, G[S], alpha=self.fedavg_lr)  # [|S|, d]: w̃ − lr·∇f_j(w̃)
+            if self.fedavg_steps > 1:
+                ctx.local_steps(theta, steps=self.fedavg_steps - 1, lr=self.fedavg_lr, rows=S)
+        else:
+            theta = replicate(state.w, S.numel())
+            b = None if self.batch_size is None else ctx.batches(t, 0, S, self.fedavg_steps, self.batch_size)
+            ctx.local_steps(theta, steps=self.fedavg_steps, lr=self.fedavg_lr, rows=S, batches=b)
         state.w = ctx.average(theta, ctx.weights[S], center=state.w)
 
     def _shuffle(self, state: PERMState, ctx: Context, t: int) -> None:
@@ -695,16 +709,19 @@ class PERM(Algorithm):
                 "local steps each round (model shuffling, by design); clients_per_round samples the FedAvg rounds")
 
     def round(self, state: PERMState, ctx: Context, t: int) -> PERMState:
-        if t <= self.warmup_rounds or self.single_loop:
-            self._fedavg(state, ctx, t)
         if t <= self.warmup_rounds:
+            self._fedavg(state, ctx, t)
             return state
-        refresh = self.single_loop and state.shuffle_rounds % self.alpha_every == 0
-        if state.alpha is None or refresh:
+        refresh = state.alpha is None or (self.single_loop and state.shuffle_rounds % self.alpha_every == 0)
+        # α's gradients at the round's w̃: single-loop, they are what the clients compute first in the
+        # round, and the server takes both its FedAvg step and α from them (the paper's Algorithm 2)
+        G = ctx.gradients(state.w) if refresh else None
+        if self.single_loop:
+            self._fedavg(state, ctx, t, G)
+        if refresh:
             if state.alpha is None:
                 state.theta = replicate(state.w, ctx.m)  # personalized models start at w̃
-            state.alpha = weights_from_gradients(ctx.gradients(state.w), ctx.train.sizes, self.lam_alpha, ctx.comm,
-                                                 ctx.first_client)
+            state.alpha = weights_from_gradients(G, ctx.train.sizes, self.lam_alpha, ctx.comm, ctx.first_client)
         self._shuffle(state, ctx, t)
         return state
 
