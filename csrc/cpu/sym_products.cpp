@@ -5,9 +5,10 @@
 // where the level has one, and mirrors it.
 //
 // out[i, j] = Σ_k Y[i, k]·Y[j, k] in order of k: panels of NR columns j (NV vectors) are packed
-// transposed ([d][NR], zero past n) and multiplied by blocks of MR rows i (broadcast), the
-// MR × NV accumulators in registers; only blocks with rows up to the panel's last column are
-// computed, then out[i, j] = out[j, i] below the diagonal (so the result is exactly symmetric).
+// transposed ([d][NR], zero past n) and multiplied by blocks of rows i (broadcast), their
+// accumulators in registers; only the rows and vectors that reach the diagonal or above are
+// computed (Sym::panel_triangle), then out[i, j] = out[j, i] below the diagonal (so the result is
+// exactly symmetric).
 // OpenMP threads split the panels, then the mirror; every entry is one thread's fixed-order sum, so
 // nothing depends on the thread count.
 #include <algorithm>
@@ -29,45 +30,67 @@ struct Sym : simd::Vec<T> {
   using simd::Vec<T>::load;
   static constexpr int NV = 2, NR = NV * L;
   static constexpr int MR = simd::kRegs >= 32 ? 12 : 6;  // MR·NV accumulators + NV + 1 in the registers
+  static constexpr int RD = simd::kRegs >= 32 ? 8 : 4;   // rows of the blocks on and next to the diagonal
 
-  // out[i0 + r, j0 + c] for r < MR (rows below n), c < nj, from the panel [d][NR]
-  static void block(const T* Y, int64_t n, int64_t d, const T* panel, int64_t i0, int64_t j0, int64_t nj, T* out) {
-    const T* xr[MR];
-    for (int r = 0; r < MR; ++r) xr[r] = Y + std::min<int64_t>(i0 + r, n - 1) * d;
+  // out[i0 + r, j0 + OFF·L + c] for r < R (rows below n), c < nc, from the panel [d][NR]'s
+  // vectors OFF .. OFF + NB
+  template <int R, int NB, int OFF>
+  static void block(const T* Y, int64_t n, int64_t d, const T* panel, int64_t i0, int64_t j0, int64_t nc, T* out) {
+    const T* xr[R];
+    for (int r = 0; r < R; ++r) xr[r] = Y + std::min<int64_t>(i0 + r, n - 1) * d;
     // the sums in runs of kRun terms added into totals: the rounding of a sum of d products then
     // grows like kRun + d/kRun instead of d (a single running sum over d = 610 left α 4x further
     // from the float64 solve than MKL's blocked sums did, bench/server_steps.py)
     constexpr int64_t kRun = 64;
-    V tot[MR][NV];
-    for (int r = 0; r < MR; ++r)
-      for (int v = 0; v < NV; ++v) tot[r][v] = V{};
-    const T* p = panel;
+    V tot[R][NB];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < NB; ++v) tot[r][v] = V{};
+    const T* p = panel + OFF * L;
     for (int64_t k0 = 0; k0 < d; k0 += kRun) {
-      V acc[MR][NV];
-      for (int r = 0; r < MR; ++r)
-        for (int v = 0; v < NV; ++v) acc[r][v] = V{};
+      V acc[R][NB];
+      for (int r = 0; r < R; ++r)
+        for (int v = 0; v < NB; ++v) acc[r][v] = V{};
       const int64_t k1 = std::min(d, k0 + kRun);
       for (int64_t k = k0; k < k1; ++k, p += NR) {
-        V b[NV];
-        for (int v = 0; v < NV; ++v) b[v] = load(p + v * L);
-        for (int r = 0; r < MR; ++r) {
+        V b[NB];
+        for (int v = 0; v < NB; ++v) b[v] = load(p + v * L);
+        for (int r = 0; r < R; ++r) {
           const V a = V{} + xr[r][k];
-          for (int v = 0; v < NV; ++v) acc[r][v] += a * b[v];
+          for (int v = 0; v < NB; ++v) acc[r][v] += a * b[v];
         }
       }
-      for (int r = 0; r < MR; ++r)
-        for (int v = 0; v < NV; ++v) tot[r][v] += acc[r][v];
+      for (int r = 0; r < R; ++r)
+        for (int v = 0; v < NB; ++v) tot[r][v] += acc[r][v];
     }
-    for (int r = 0; r < MR && i0 + r < n; ++r) {
-      T* o = out + (i0 + r) * n + j0;
-      if (nj == NR) {
+    for (int r = 0; r < R && i0 + r < n; ++r) {
+      T* o = out + (i0 + r) * n + j0 + OFF * L;
+      if (nc == NB * L) {
         std::memcpy(o, &tot[r][0], sizeof tot[r]);
       } else {
-        T tmp[NR];
+        T tmp[NB * L];
         std::memcpy(tmp, &tot[r][0], sizeof tmp);
-        std::copy(tmp, tmp + nj, o);
+        std::copy(tmp, tmp + nc, o);
       }
     }
+  }
+
+  // The upper block triangle of the panel of columns j0 .. j0 + nj: every row above the panel
+  // (blocks of MR rows, then of RD up to j0), then the panel's own rows, each from its first
+  // vector that reaches the diagonal: rows j0 .. j0 + L need both vectors, rows j0 + L .. j0 + nj
+  // only the second. (Blocks of MR rows straight through the diagonal had computed a 32 x 32
+  // square and up to 11 rows past it: ~14% more multiply-adds at 500 x 610.) Every entry is the
+  // same sum whatever block computes it; those below the diagonal are mirrored afterwards.
+  static void panel_triangle(const T* Y, int64_t n, int64_t d, const T* panel, int64_t j0, int64_t nj, T* out) {
+    int64_t i0 = 0;
+    for (; i0 + MR <= j0; i0 += MR) block<MR, NV, 0>(Y, n, d, panel, i0, j0, nj, out);
+    for (; i0 + RD <= j0; i0 += RD) block<RD, NV, 0>(Y, n, d, panel, i0, j0, nj, out);
+    for (; i0 < j0; i0 += 4) block<4, NV, 0>(Y, n, d, panel, i0, j0, nj, out);  // (may run into the panel's rows)
+    const int64_t top = std::min<int64_t>(nj, L);
+    for (i0 = j0; i0 < j0 + top; i0 += RD) {
+      if (nj > L) block<RD, NV, 0>(Y, n, d, panel, i0, j0, nj, out);
+      else block<RD, 1, 0>(Y, n, d, panel, i0, j0, nj, out);
+    }
+    for (i0 = j0 + L; i0 < j0 + nj; i0 += RD) block<RD, 1, 1>(Y, n, d, panel, i0, j0, nj - L, out);
   }
 };
 
@@ -125,7 +148,7 @@ void mirror_rows(T* out, int64_t n, int64_t ib) {
 template <typename T>
 void sym_products(const T* Y, int64_t n, int64_t d, T* out) {
   using S = Sym<T>;
-  constexpr int NR = S::NR, MR = S::MR;
+  constexpr int NR = S::NR;
   if (n <= 0) return;
   const int64_t panels = (n + NR - 1) / NR;
   // panels split between the threads (the later ones hold more row blocks: dynamic), then the
@@ -137,7 +160,7 @@ void sym_products(const T* Y, int64_t n, int64_t d, T* out) {
     for (int64_t pj = 0; pj < panels; ++pj) {
       const int64_t j0 = pj * NR, nj = std::min<int64_t>(NR, n - j0);
       pack_panel<T, NR>(Y, d, j0, nj, panel.data());
-      for (int64_t i0 = 0; i0 < std::min(n, j0 + NR); i0 += MR) S::block(Y, n, d, panel.data(), i0, j0, nj, out);
+      S::panel_triangle(Y, n, d, panel.data(), j0, nj, out);
     }
     // below the diagonal: the transposes, 16 rows at a time (every entry read there was computed:
     // row j's block starts at or before j < i, within the panel of column i)
