@@ -110,6 +110,22 @@ def test_a_metric_that_overflows_before_the_parameters_stops_the_run(federations
     assert _nonfinite(info.value.history) == []
 
 
+@pytest.mark.parametrize("fedavg_steps", [1, 3])
+def test_single_loop_perm_that_diverges_stops_naming_round_and_algorithm(federations, fedavg_steps):
+    """Single-loop PERM takes its FedAvg steps' first step from α's gradient pass, outside the
+    kernel (which checks the models it steps): with one FedAvg step nothing else reads w̃ before
+    the round ends. A run whose steps blow up still stops with a DivergenceError naming PERM and
+    a round, and its history holds only finite rows."""
+    fed = federations["least_squares"]
+    with pytest.raises(DivergenceError) as info:
+        pflcore.run(A.PERM(warmup_rounds=1, lam_alpha=1.0, lr=BIG, single_loop=True, alpha_every=2,
+                           fedavg_steps=fedavg_steps), fed, M.LeastSquares(fed.num_features), rounds=8, progress=False)
+    exc = info.value
+    assert exc.algorithm == "PERM" and 1 <= exc.round <= 8
+    assert [row["round"] for row in exc.history] == list(range(exc.round))
+    assert _nonfinite(exc.history) == []
+
+
 def test_accelerated_history_has_no_nan_residual_and_strict_json(tmp_path, federations):
     """Row 8: Accelerated(FedAvg) recorded residual = NaN before its first round, and the JSON
     files held the bare token NaN."""
