@@ -441,7 +441,7 @@ inline void pooled_block(const T* g, const int32_t* q, int64_t cnt, const T* s, 
     for (int i = 0; i < K; ++i) acc[c][i] = V{};
   for (int64_t e = 0; e < cnt; ++e) {
     const T* b = s + q[e];
-    const V gv = V{} + g[e];
+    const V gv = g[e] - V{};  // a broadcast (simd.h's splat: not V{} + g)
     for (int c = 0; c < CB; ++c)
       for (int i = 0; i < K; ++i) acc[c][i] += gv * Taps8<T>::load(b + c * L + i * Wp);
   }
@@ -477,7 +477,7 @@ template <typename T>
 inline void scatter_window(T* dx, int64_t dx_row, int64_t q, int64_t Wp, int64_t Cin, int64_t k, T g, const T* w,
                            const T* end) {
   using V = typename Taps8<T>::V;
-  const V gv = V{} + g;
+  const V gv = g - V{};  // a broadcast (simd.h's splat: not V{} + g)
   if (dx + (Cin - 1) * dx_row + q + (k - 1) * Wp + 8 <= end) {
     for (int64_t c = 0; c < Cin; ++c)
       for (int64_t i = 0; i < k; ++i) {

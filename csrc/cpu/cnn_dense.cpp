@@ -143,7 +143,7 @@ struct Dense : simd::Vec<T> {
       V rv[NV];
       for (int v = 0; v < NV; ++v) rv[v] = get(R + j * K + k0 + v * L);
       for (int p = 0; p < RA; ++p) {
-        const V c = V{} + cr[p][j * cj];
+        const V c = simd::splat<V>(cr[p][j * cj]);
         for (int v = 0; v < NV; ++v) acc[p][v] += c * rv[v];
       }
     }

@@ -66,6 +66,15 @@ struct Vec {
 #endif
 };
 
+// x in every lane of the GCC vector type V. Not `V{} + x`: 0 + x is not x where x = −0, so GCC
+// kept a scalar add before each broadcast (a vaddss and a register broadcast per row in the inner
+// loops of sym_products and cnn_dense's micro-kernel); x − 0 is x for every x, and compiles to one
+// broadcast load.
+template <typename V, typename T>
+inline V splat(T x) {
+  return x - V{};
+}
+
 #if defined(__AVX512F__)
 // r[q] = row q of a 16 x 16 float block -> r[j] = its column j (lane q: row q's element j).
 inline __attribute__((always_inline)) void transpose16(__m512 (&r)[16]) {

@@ -55,7 +55,7 @@ struct Sym : simd::Vec<T> {
         V b[NB];
         for (int v = 0; v < NB; ++v) b[v] = load(p + v * L);
         for (int r = 0; r < R; ++r) {
-          const V a = V{} + xr[r][k];
+          const V a = simd::splat<V>(xr[r][k]);
           for (int v = 0; v < NB; ++v) acc[r][v] += a * b[v];
         }
       }
@@ -151,13 +151,15 @@ void sym_products(const T* Y, int64_t n, int64_t d, T* out) {
   constexpr int NR = S::NR;
   if (n <= 0) return;
   const int64_t panels = (n + NR - 1) / NR;
-  // panels split between the threads (the later ones hold more row blocks: dynamic), then the
-  // mirror by strips of 16 rows; an entry is computed by one thread in a fixed order either way
+  // panels split between the threads, the last (largest: panel pj holds ~pj + 1 row blocks)
+  // first, so that the small ones fill in at the end (dynamic); then the mirror by strips of 16
+  // rows. An entry is computed by one thread in a fixed order either way.
 #pragma omp parallel if (n * n * d > (int64_t(1) << 22))
   {
     std::vector<T> panel(static_cast<size_t>(d * NR));
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t pj = 0; pj < panels; ++pj) {
+    for (int64_t task = 0; task < panels; ++task) {
+      const int64_t pj = panels - 1 - task;
       const int64_t j0 = pj * NR, nj = std::min<int64_t>(NR, n - j0);
       pack_panel<T, NR>(Y, d, j0, nj, panel.data());
       S::panel_triangle(Y, n, d, panel.data(), j0, nj, out);
