@@ -1,25 +1,24 @@
 // The statistics of the screen of PERM's mixing weights (pflcore/algorithms/perm.py,
 // _screened_weights): what its torch code computes in ~12 ops over G and [m, k] tensors (1.8 ms
 // at m = 2,000, d = 610, one thread), in four passes over the gradients' rows: their mean, the
-// norms and projections, the clusters' centres, the distances to them (1.5 ms on one thread,
-// 0.8 on two).
+// norms and projections, the clusters' centres, the distances to them.
 //
 // With the rows shifted by their mean in T, s_i = fl_T(g_i − mean) (never stored):
 //   sq[i]      = Σ_j s_ij²                         (T sums in vector lanes, as torch's)
-//   y_i        = s_i Ω                             (the projection the clustering reads)
+//   y_i        = s_i Ω                             (the projection the clustering reads; T sums in
+//                                                   order of the coordinates, as t's dots)
 //   labels     farthest-point traversal of the y_i (Gonzalez): centre 0 is row 0, each next centre
 //              the row farthest from the centres so far (ties: the lowest index), stopping early
 //              when every row lies on a centre; each row labelled by its nearest centre (the first
 //              one at that distance)
 //   mu[b]      = fl_T(mean of the s_i of cluster b),  mu_sq[b] = Σ_j mu_bj²  (T sums)
-//   t[i][b]    = sq[i] + mu_sq[b] − 2 s_i·mu_b      (the dot in T, lane sums)
+//   t[i][b]    = sq[i] + mu_sq[b] − 2 s_i·mu_b      (the dot in T, in order of the coordinates)
 // Every sum of T products here is bounded by γ_d·Σ|terms| whatever its order, which is the bound
 // the screen's error terms assume (perm.py: E = (d + 3)·2u·(‖s‖² + ‖μ‖²)). Rows are independent and
 // every sum has a fixed order, so nothing depends on the thread count.
 #include <algorithm>
 #include <vector>
 
-#include "lane_sums.h"
 #include "pflcore/ops_cpu.h"
 #include "simd.h"
 
@@ -50,58 +49,83 @@ inline T dot(const T* a, const T* b, int64_t n) {
   return s;
 }
 
-// n rows of d values laid out for dots_all: blocks of NC rows, each block's vectors of coordinates
-// interleaved ([full vectors][NC][L], rows past n repeating the last), so that one pointer and
-// constant offsets reach the NC vectors of a coordinate block; the last d − full·L coordinates of
-// every row apart ([n][d − full·L]).
+// q columns of d values (rows of `cols` [q, d]) packed for row_products: [d][Q], Q = q rounded
+// up to whole vectors, zero past q (one coordinate of every column is then nv vector loads).
 template <typename T>
-struct DotRows {
-  static constexpr int NC = simd::kRegs >= 32 ? 16 : 8;  // accumulators in the registers
+struct ColPanel {
   static constexpr int L = Vt<T>::L;
-  int64_t n = 0, d = 0, full = 0;
-  std::vector<T> v, tail;
-  void pack(const T* rows, int64_t n_, int64_t d_) {
-    n = n_, d = d_, full = d / L;
-    const int64_t blocks = (n + NC - 1) / NC;
-    v.assign(size_t(blocks * full * NC * L), T(0));
-    tail.assign(size_t(n * (d - full * L)), T(0));
-    for (int64_t b = 0; b < blocks; ++b)
-      for (int64_t jv = 0; jv < full; ++jv)
-        for (int c = 0; c < NC; ++c) {
-          const T* r = rows + std::min<int64_t>(b * NC + c, n - 1) * d + jv * L;
-          std::copy(r, r + L, v.begin() + ((b * full + jv) * NC + c) * L);
-        }
-    for (int64_t c = 0; c < n; ++c)
-      std::copy(rows + c * d + full * L, rows + (c + 1) * d, tail.begin() + c * (d - full * L));
+  int64_t q = 0, d = 0, nv = 0, Q = 0;
+  std::vector<T> p;
+  void pack(const T* cols, int64_t q_, int64_t d_) {
+    q = q_, d = d_, nv = (q + L - 1) / L, Q = nv * L;
+    p.assign(size_t(d * Q), T(0));
+    for (int64_t c = 0; c < q; ++c)
+      for (int64_t j = 0; j < d; ++j) p[size_t(j * Q + c)] = cols[c * d + j];
   }
 };
 
-// out[c] = Σ_j s_j·rows[c][j] for every row c of `rows` (DotRows): NC accumulators in the registers
-// and one load of s per vector of coordinates (separate dots reloaded s and reduced each sum's
-// lanes alone: ~2x the time), then their lanes (lane_sums_each) and each sum's last coordinates.
-template <typename T>
-inline void dots_all(const T* s, const DotRows<T>& rows, double* out) {
+// Rows of a block of row_products, and vectors of columns per pass over the coordinates: R·NB
+// accumulators, NB column vectors and a broadcast fit the registers.
+constexpr int kRowsR = simd::kRegs >= 32 ? 8 : 4;
+constexpr int kColsNB = 2;
+
+// out[r][c] = Σ_j s[r][j]·cols[c][j] for the rows s[0 .. R) (pointers; rows of d values) and the
+// columns of `panel`, as a GEMM micro-kernel: each coordinate's column vectors are loaded once for
+// R rows, one broadcast of s[r][j] per row (dots of one row against the packed columns had loaded
+// every column vector per row, from L2 once q·d outgrew L1, and reduced each sum's lanes: ~55% of
+// the statistics' time at m = 2,000, d = 610). Each row's sums run in order of j in its own
+// accumulators, so a row's result does not depend on the block it is in (copies of a row get the
+// same sums). Rows r >= nr are not written.
+template <typename T, int R>
+inline void row_products(const T* const* s, int nr, const ColPanel<T>& panel, double* out, int64_t ldo) {
   using V = typename Vt<T>::V;
-  constexpr int NC = DotRows<T>::NC, L = DotRows<T>::L;
-  const int64_t full = rows.full, rest = rows.d - full * L;
-  for (int64_t c0 = 0, b = 0; c0 < rows.n; c0 += NC, ++b) {
-    V acc[NC];
-    for (int c = 0; c < NC; ++c) acc[c] = V{};
-    const T* pb = rows.v.data() + b * full * NC * L;
-    for (int64_t jv = 0; jv < full; ++jv, pb += NC * L) {
-      const V sv = Vt<T>::load(s + jv * L);
-      for (int c = 0; c < NC; ++c) acc[c] += sv * Vt<T>::load(pb + c * L);
+  constexpr int L = ColPanel<T>::L;
+  const int64_t d = panel.d, Q = panel.Q;
+  for (int64_t v0 = 0; v0 < panel.nv; v0 += kColsNB) {
+    const int nb = int(std::min<int64_t>(kColsNB, panel.nv - v0));
+    V acc[R][kColsNB];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < kColsNB; ++v) acc[r][v] = V{};
+    const T* pc = panel.p.data() + v0 * L;
+    if (nb == kColsNB) {
+      for (int64_t j = 0; j < d; ++j, pc += Q) {
+        const V b0 = Vt<T>::load(pc), b1 = Vt<T>::load(pc + L);
+        for (int r = 0; r < R; ++r) {
+          const V a = simd::splat<V>(s[r][j]);
+          acc[r][0] += a * b0;
+          acc[r][1] += a * b1;
+        }
+      }
+    } else {
+      for (int64_t j = 0; j < d; ++j, pc += Q) {
+        const V b0 = Vt<T>::load(pc);
+        for (int r = 0; r < R; ++r) acc[r][0] += simd::splat<V>(s[r][j]) * b0;
+      }
     }
-    const int64_t nb = std::min<int64_t>(NC, rows.n - c0);
-    T sums[NC];
-    lane_sums_each<T>(acc, NC, sums);
-    for (int c = 0; c < nb; ++c) {
-      T sum = sums[c];
-      const T* tr = rows.tail.data() + (c0 + c) * rest;
-      for (int64_t j = 0; j < rest; ++j) sum += s[full * L + j] * tr[j];
-      out[c0 + c] = double(sum);
-    }
+    for (int r = 0; r < nr; ++r)
+      for (int v = 0; v < nb; ++v)
+        for (int l = 0; l < L; ++l) {
+          const int64_t c = (v0 + v) * L + l;
+          if (c < panel.q) out[r * ldo + c] = double(acc[r][v][l]);
+        }
   }
+}
+
+// For the rows i0 .. i0 + nr (nr <= kRowsR) of G: s_i = fl_T(g_i − mean) into buf [kRowsR][d],
+// then each(r, s_r) and row_products of them against `panel` into out (rows of ldo).
+template <typename T, typename Each>
+inline void shifted_block(const T* G, int64_t d, const T* mean, int64_t i0, int nr, T* buf, const ColPanel<T>& panel,
+                          double* out, int64_t ldo, Each&& each) {
+  const T* rows[kRowsR];
+  for (int r = 0; r < kRowsR; ++r) {
+    T* sr = buf + r * d;
+    rows[r] = buf + std::min(r, nr - 1) * d;  // a short block repeats its last row (not written)
+    if (r >= nr) continue;
+    const T* g = G + (i0 + r) * d;
+    for (int64_t j = 0; j < d; ++j) sr[j] = g[j] - mean[j];
+    each(r, sr);
+  }
+  row_products<T, kRowsR>(rows, nr, panel, out, ldo);
 }
 
 }  // namespace
@@ -125,24 +149,24 @@ int64_t perm_screen_stats(const T* G, int64_t m, int64_t d, const T* omega, int6
     }
     for (int64_t j = 0; j < w; ++j) mean[j0 + j] = T(acc[j] / double(m));
   }
-  // omega transposed [q, d] (each projection a row of dots), laid out for dots_all
-  DotRows<T> om_rows;
+  // the projections y_i = s_i Ω: omega [d, q] is already the panel's layout, padded to whole vectors
+  ColPanel<T> om_panel;
   {
     std::vector<T> om_t(q * d);
     for (int64_t j = 0; j < d; ++j)
       for (int64_t c = 0; c < q; ++c) om_t[c * d + j] = omega[j * q + c];
-    om_rows.pack(om_t.data(), q, d);
+    om_panel.pack(om_t.data(), q, d);
   }
   std::vector<double> Y(m * q);
+  const int64_t row_blocks = (m + kRowsR - 1) / kRowsR;
 #pragma omp parallel
   {
-    std::vector<T> s(d);
+    std::vector<T> buf(kRowsR * d);
 #pragma omp for schedule(static)
-    for (int64_t i = 0; i < m; ++i) {
-      const T* g = G + i * d;
-      for (int64_t j = 0; j < d; ++j) s[j] = g[j] - mean[j];
-      sq[i] = double(dot(s.data(), s.data(), d));
-      dots_all(s.data(), om_rows, Y.data() + i * q);
+    for (int64_t rb = 0; rb < row_blocks; ++rb) {
+      const int64_t i0 = rb * kRowsR;
+      shifted_block(G, d, mean.data(), i0, int(std::min<int64_t>(kRowsR, m - i0)), buf.data(), om_panel,
+                    Y.data() + i0 * q, q, [&](int r, const T* sr) { sq[i0 + r] = double(dot(sr, sr, d)); });
     }
   }
   // farthest-point traversal on Y
@@ -199,18 +223,20 @@ int64_t perm_screen_stats(const T* G, int64_t m, int64_t d, const T* omega, int6
     }
   }
   // t = ‖s_i − μ_b‖² by the Gram formula
-  DotRows<T> mu_rows;
-  mu_rows.pack(mu, found, d);
+  ColPanel<T> mu_panel;
+  mu_panel.pack(mu, found, d);
 #pragma omp parallel
   {
-    std::vector<T> s(d);
-    std::vector<double> sm(found);
+    std::vector<T> buf(kRowsR * d);
 #pragma omp for schedule(static)
-    for (int64_t i = 0; i < m; ++i) {
-      const T* g = G + i * d;
-      for (int64_t j = 0; j < d; ++j) s[j] = g[j] - mean[j];
-      dots_all(s.data(), mu_rows, sm.data());
-      for (int64_t b = 0; b < found; ++b) t[i * found + b] = sq[i] + mu_sq[b] - 2.0 * sm[b];
+    for (int64_t rb = 0; rb < row_blocks; ++rb) {
+      const int64_t i0 = rb * kRowsR;
+      const int nr = int(std::min<int64_t>(kRowsR, m - i0));
+      double* ti = t + i0 * found;  // s_i·μ_b first, then t in place
+      shifted_block(G, d, mean.data(), i0, nr, buf.data(), mu_panel, ti, found, [](int, const T*) {});
+      for (int r = 0; r < nr; ++r)
+        for (int64_t b = 0; b < found; ++b)
+          ti[r * found + b] = sq[i0 + r] + mu_sq[b] - 2.0 * ti[r * found + b];
     }
   }
   return found;
