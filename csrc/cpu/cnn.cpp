@@ -87,12 +87,9 @@ struct Vec {
     return v;
   }
   static void store(T* p, type v) { std::memcpy(p, &v, sizeof(v)); }
-  // (vector op scalar broadcasts the scalar: one vbroadcastss from memory, where `type{} + s`
-  // would first add to a zero register)
-  static type splat(T s) {
-    type v = type{};
-    return v + s;
-  }
+  // s in every lane: one broadcast load (s − 0 is s for every s; `type{} + s` is not where s = −0,
+  // so GCC added it to a zero register first, a vaddss before every broadcast: simd.h's splat)
+  static type splat(T s) { return s - type{}; }
   static T sum(type v) {  // fixed order: lane 0 first
     T s = v[0];
     for (int l = 1; l < lanes; ++l) s += v[l];
@@ -441,7 +438,7 @@ inline void pooled_block(const T* g, const int32_t* q, int64_t cnt, const T* s, 
     for (int i = 0; i < K; ++i) acc[c][i] = V{};
   for (int64_t e = 0; e < cnt; ++e) {
     const T* b = s + q[e];
-    const V gv = g[e] - V{};  // a broadcast (simd.h's splat: not V{} + g)
+    const V gv = g[e] - V{};  // a broadcast (see Vec::splat)
     for (int c = 0; c < CB; ++c)
       for (int i = 0; i < K; ++i) acc[c][i] += gv * Taps8<T>::load(b + c * L + i * Wp);
   }
@@ -477,7 +474,7 @@ template <typename T>
 inline void scatter_window(T* dx, int64_t dx_row, int64_t q, int64_t Wp, int64_t Cin, int64_t k, T g, const T* w,
                            const T* end) {
   using V = typename Taps8<T>::V;
-  const V gv = g - V{};  // a broadcast (simd.h's splat: not V{} + g)
+  const V gv = g - V{};  // a broadcast (see Vec::splat)
   if (dx + (Cin - 1) * dx_row + q + (k - 1) * Wp + 8 <= end) {
     for (int64_t c = 0; c < Cin; ++c)
       for (int64_t i = 0; i < k; ++i) {
