@@ -489,6 +489,16 @@ inline void scatter_window(T* dx, int64_t dx_row, int64_t q, int64_t Wp, int64_t
       for (int64_t j = 0; j < k; ++j) dx[c * dx_row + q + i * Wp + j] += g * w[(c * k + i) * 8 + j];
 }
 
+// The lanes of an intrinsics register of this level (one Vec<T>: 16 floats on AVX-512, 8 on
+// AVX2) summed in Vec<T>::sum's fixed order.
+template <typename T, typename R>
+inline T register_sum(const R& reg) {
+  typename Vec<T>::type lanes;
+  static_assert(sizeof lanes == sizeof reg, "one register of this level");
+  std::memcpy(&lanes, &reg, sizeof lanes);
+  return Vec<T>::sum(lanes);
+}
+
 // The windows of one channel of one image whose gradient (da where h > 0, the ReLU's gradient as in
 // cnn_pool_relu_backward) is not 0, compacted into (g, q) in order: their gradients and maxima idx;
 // returns how many; *db += the sum of every window's gradient. A NaN stays (it reaches the
@@ -520,10 +530,7 @@ inline int64_t keep_windows(const T* da, const T* h, const int32_t* idx, int64_t
           bias = _mm512_add_ps(bias, gv);
           cnt += count;
         }
-      typename Vec<T>::type lanes;  // (one register of this level: 16 lanes)
-      static_assert(sizeof lanes == sizeof bias);
-      std::memcpy(&lanes, &bias, sizeof lanes);
-      *db += Vec<T>::sum(lanes);
+      *db += register_sum<T>(bias);
       return cnt;
     }
   }
@@ -562,10 +569,7 @@ inline int64_t keep_windows(const T* da, const T* h, const int32_t* idx, int64_t
           bias = _mm256_add_ps(bias, gv);
           cnt += __builtin_popcount(unsigned(keep));
         }
-      typename Vec<T>::type lanes;  // (one register of this level: 8 lanes)
-      static_assert(sizeof lanes == sizeof bias);
-      std::memcpy(&lanes, &bias, sizeof lanes);
-      *db += Vec<T>::sum(lanes);
+      *db += register_sum<T>(bias);
       return cnt;
     }
   }
