@@ -421,6 +421,74 @@ def _contexts_gradients(m=512, d=40, contexts=4, seed=3):
     return (G + 10.0).to(torch.float32), n
 
 
+def test_water_levels_solve_the_level_equation():
+    """``_water_levels``: Σ_j w_j·max(0, τ − c_j) = 1 for each row (random costs, ties, a row whose
+    cheapest column alone carries it), as the native kernel's levels give."""
+    from pflcore.algorithms import perm
+    g = torch.Generator().manual_seed(5)
+    costs = torch.rand(7, 300, generator=g, dtype=torch.float64)
+    costs[1] = 0.25  # every column tied
+    costs[2, 0] = -10.0  # (one column far below the others: its level alone)
+    w = torch.rand(300, generator=g, dtype=torch.float64) + 0.1
+    tau = perm._water_levels(costs, w)
+    torch.testing.assert_close((w * (tau[:, None] - costs).clamp(min=0)).sum(1), torch.ones(7, dtype=torch.float64),
+                               rtol=0, atol=1e-12)
+    assert float(tau[2]) == pytest.approx(-10.0 + 1.0 / float(w[0]), rel=1e-12)
+
+
+def _noisy_gradients(m, d, seed):
+    """float32 gradients without groups (a trained model's: sampling noise only, all close)."""
+    g = torch.Generator().manual_seed(seed)
+    n = torch.randint(50, 250, (m,), generator=g)
+    G = torch.randn(m, d, generator=g, dtype=torch.float64) / n[:, None].sqrt() + 1.0
+    return G.to(torch.float32), n
+
+
+@pytest.mark.parametrize("lam, float32_pass", [(0.05, False), (1e5, True)])
+def test_screened_weights_skip_a_float32_pass_a_sample_shows_too_coarse(monkeypatch, lam, float32_pass):
+    """A large group whose rows' water levels sit far below its spread (small λ_α: each client
+    weighs its nearest few) goes straight to float64 products: no float32 pass, α the dense
+    float64 solve's to rounding. With levels above the spread (large λ_α) the float32 pass runs
+    and is kept."""
+    from pflcore.algorithms import perm
+    G, n = _noisy_gradients(1100, 30, seed=9)
+    calls = []
+    real = perm._shifted_gram32
+    monkeypatch.setattr(perm, "_shifted_gram32", lambda *a: calls.append(a[1].numel()) or real(*a))
+    got = screened_weights(G, n, lam)
+    dense = water_filling(pairwise_sqdist(G), n, lam)
+    assert bool(calls) == float32_pass
+    scale = float(dense.max())
+    tol = 2e-6 if float32_pass else 1e-9
+    assert float((got - dense).abs().max()) <= tol * scale
+    assert perm._float64_needed(G, torch.arange(1100), torch.arange(1100), n.double() / (2 * lam),
+                                torch.arange(1100)) == (not float32_pass)
+
+
+@pytest.mark.usefixtures("cpu_level")
+def test_rows_of_a_group_from_its_columns_symmetric_products():
+    """A group's rows among its columns (r ≥ k/2): the products taken as those rows of the
+    columns' symmetric products equal the direct product (float64: to rounding; float32 shifted:
+    to float32 rounding, each row's cost to its own column exactly 0)."""
+    from pflcore.algorithms import perm
+    sym = perm._sym_kernel()
+    g = torch.Generator().manual_seed(11)
+    Gc = torch.randn(300, 45, generator=g, dtype=torch.float64)
+    cols = torch.arange(0, 300, 2)  # 150 columns, ascending
+    rows = cols[torch.randperm(150, generator=g)[:90]].sort().values  # 90 of them
+    pos = torch.searchsorted(cols, rows)
+    torch.testing.assert_close(perm._gram(Gc, rows, cols, sym, pos), Gc[rows] @ Gc[cols].T, rtol=1e-12, atol=1e-12)
+    G32 = (Gc + 5.0).to(torch.float32)
+    gram, sq_r, sq_c, spread = perm._shifted_gram32(G32, rows, cols, sym, pos)
+    Y = G32.double()[cols]
+    Y -= Y.mean(dim=0)
+    torch.testing.assert_close(gram.double(), Y[pos] @ Y.T, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(sq_c, (Y * Y).sum(1), rtol=1e-5, atol=1e-5)
+    if sym is not None:  # (the symmetric products' own diagonal: the own costs cancel exactly)
+        own = sq_r + sq_c[pos] - 2.0 * gram[torch.arange(90), pos].double()
+        assert torch.equal(own, torch.zeros(90, dtype=torch.float64))
+
+
 def test_screened_weights_float32_products_against_the_float64_solve(monkeypatch):
     """float32 gradients: the groups' products in float32 (rows shifted by their columns' mean)
     give the float64 dense solve's α to ~1e-6 of its largest entry, with the same support

@@ -347,8 +347,10 @@ def _screened_weights(G: torch.Tensor, sizes: torch.Tensor, lam_alpha: float, ro
         own = gi if every else torch.searchsorted(cols, gi)
         w_cols = w if every else w[cols]
         # the costs and their water-filling in one kernel call, α written into the rows of `out`
-        if low and gi.numel() >= 64:  # (a few rows: the columns' shift would cost more than it saves)
-            gram, sq_r, sq_c, spread = _shifted_gram32(G32, gi, some, sym)
+        # (a few rows: the columns' shift would cost more than it saves; a group a sample of whose
+        # rows already shows the float64 pass to be needed: straight to it)
+        if low and gi.numel() >= 64 and not (products is None and _float64_needed(G32, gi, cols, w_cols, own)):
+            gram, sq_r, sq_c, spread = _shifted_gram32(G32, gi, some, sym, own)
             levels = adapter.water_fill_gram(gram, sq_r, sq_c, own, w_cols, out, r_idx, cols, fill="row")
             if products is not None or spread <= 8.0 * float(levels.min()):
                 return
@@ -358,8 +360,8 @@ def _screened_weights(G: torch.Tensor, sizes: torch.Tensor, lam_alpha: float, ro
         else:
             again = False
         Gc, sq = fine.get()
-        adapter.water_fill_gram(_gram(Gc, gi, some, sym), sq[gi], sq if every else sq[cols], own, w_cols, out, r_idx,
-                                cols, fill="block" if again else "row")
+        adapter.water_fill_gram(_gram(Gc, gi, some, sym, own), sq[gi], sq if every else sq[cols], own, w_cols, out,
+                                r_idx, cols, fill="block" if again else "row")
 
     # the groups one after another, each on every thread (its products and water-filling split
     # their rows between the OpenMP threads): the threads of the gradients' pass just before are
@@ -420,7 +422,8 @@ def _patterns_of_keys(keys: torch.Tensor, k: int):
     return ((uniq[:, None] // bits[None, :]) % 2).to(torch.bool), group
 
 
-def _shifted_gram32(G32: torch.Tensor, rows: torch.Tensor, cols: Optional[torch.Tensor], sym=None):
+def _shifted_gram32(G32: torch.Tensor, rows: torch.Tensor, cols: Optional[torch.Tensor], sym=None,
+                    pos: Optional[torch.Tensor] = None):
     """The float32 products ``[r, k]`` of ``G32[rows]`` and ``G32[cols]`` (``cols`` None: every
     row) shifted by the columns' mean, the shifted rows' and columns' squared norms, and the
     columns' mean squared norm (the scale of the products' rounding). Any common shift leaves the
@@ -428,7 +431,9 @@ def _shifted_gram32(G32: torch.Tensor, rows: torch.Tensor, cols: Optional[torch.
     float32); this one makes the norms small (their mean is half the columns' mean pairwise
     distance). Where the rows are the columns, the squared norms are the products' diagonal: the
     same sums as the products (so a row's cost to itself is 0 before the clamp, and the rounding
-    of the norms and of the products is alike); otherwise float64 sums."""
+    of the norms and of the products is alike); otherwise float64 sums. ``pos``: the rows' positions
+    among the columns (every row's own client is one of its columns), with which the rows' products
+    come from the columns' symmetric ones where that is cheaper (``_rows_of_symmetric``)."""
     C = G32 if cols is None else G32.index_select(0, cols)
     mu = C.mean(dim=0)
     Yc = C - mu if cols is None else C.sub_(mu)
@@ -436,6 +441,10 @@ def _shifted_gram32(G32: torch.Tensor, rows: torch.Tensor, cols: Optional[torch.
         gram = _products(Yc, Yc, sym)
         sq_c = gram.diagonal().to(torch.float64)
         return gram, sq_c, sq_c, float(sq_c.mean())
+    if _rows_of_symmetric(sym, rows, Yc, pos):
+        full = _products(Yc, Yc, sym)
+        sq_c = full.diagonal().to(torch.float64)
+        return full.index_select(0, pos), sq_c.index_select(0, pos), sq_c, float(sq_c.mean())
     sq_c = (Yc * Yc).sum(dim=1, dtype=torch.float64)
     Yr = G32.index_select(0, rows).sub_(mu)
     return _products(Yr, Yc), (Yr * Yr).sum(dim=1, dtype=torch.float64), sq_c, float(sq_c.mean())
@@ -502,10 +511,65 @@ def _same_clients(rows: torch.Tensor, cols: Optional[torch.Tensor], m: int) -> b
     return torch.equal(rows, cols)
 
 
-def _gram(Gc: torch.Tensor, rows: torch.Tensor, cols: Optional[torch.Tensor], sym=None) -> torch.Tensor:
-    """``Gc[rows] @ Gc[cols].T`` (``cols`` None: every row of Gc), a fresh ``[r, k]``."""
+def _gram(Gc: torch.Tensor, rows: torch.Tensor, cols: Optional[torch.Tensor], sym=None,
+          pos: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``Gc[rows] @ Gc[cols].T`` (``cols`` None: every row of Gc), a fresh ``[r, k]``; ``pos`` as
+    in ``_shifted_gram32``."""
     right = Gc if cols is None else Gc[cols]
-    return _products(right, right, sym) if _same_clients(rows, cols, Gc.shape[0]) else _products(Gc[rows], right)
+    if _same_clients(rows, cols, Gc.shape[0]):
+        return _products(right, right, sym)
+    if _rows_of_symmetric(sym, rows, right, pos):
+        return _products(right, right, sym).index_select(0, pos)
+    return _products(Gc[rows], right)
+
+
+def _rows_of_symmetric(sym, rows: torch.Tensor, right: torch.Tensor, pos: Optional[torch.Tensor]) -> bool:
+    """Whether a group's products ``[r, k]`` (its r rows among its k columns, at ``pos``) are
+    better taken as the rows of the columns' symmetric products ``[k, k]``: with the native
+    symmetric kernel and r ≥ k/2, where the triangle's k²/2 multiply-adds are at most r·k. (Once
+    the gradients have shrunk, the screen leaves groups such as 1,847 rows of 2,000 columns;
+    torch's float64 product of those ran MKL's generic kernels on AMD, ~2x the time.)"""
+    return sym is not None and pos is not None and 2 * rows.numel() >= right.shape[0] and right.is_contiguous()
+
+
+FLOAT64_PROBE_ROWS = 16  # see _float64_needed
+
+
+def _float64_needed(G32: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, w_cols: torch.Tensor,
+                    pos: torch.Tensor) -> bool:
+    """Whether the float32 products of a large group (≥ 256 rows, ≥ 1,024 columns) would certainly
+    be solved again in float64: the columns' spread (their mean squared distance to their mean)
+    above 8x the smallest water level of a few of its rows. The smallest level of all rows is at
+    most that of the sample, so the float32 pass's own test (spread ≤ 8x its smallest level) would
+    fail too. The sample's costs are float32 products of the shifted rows, as the pass would form
+    them (their rounding, ~√d·2⁻²⁴ of the spread, is far below the 1% margin where this matters).
+    Once the gradients have shrunk (a single-loop run's later α, or a two-loop α after a longer
+    warm-up), the levels sit far below the spread, the screen leaves groups of most columns, and
+    every group went through both passes: float32 products, then float64 (m = 2,000, 1 thread: α
+    in ~220 ms, ~100 with this test; bench/server_steps.py part (d)). Smaller groups are not
+    probed: their float32 pass costs little more than the probe."""
+    r, k = rows.numel(), cols.numel()
+    if r < 256 or k < 1024:
+        return False
+    C = G32.index_select(0, cols)
+    mu = C.mean(dim=0)
+    C.sub_(mu)
+    sq_c = (C * C).sum(dim=1, dtype=torch.float64)
+    probe = torch.linspace(0, r - 1, FLOAT64_PROBE_ROWS).round().to(torch.int64).unique()
+    R = G32.index_select(0, rows[probe]).sub_(mu)
+    costs = (R * R).sum(dim=1, dtype=torch.float64)[:, None] + sq_c[None, :] - 2.0 * (R @ C.T).to(torch.float64)
+    costs.clamp_(min=0.0)[torch.arange(probe.numel()), pos[probe]] = 0.0
+    return float(sq_c.mean()) > 8.0 * 1.01 * float(_water_levels(costs, w_cols).min())
+
+
+def _water_levels(costs: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The water level τ_i of each row of ``costs [s, k]`` (weights ``w [k]``): Σ_j w_j·max(0, τ_i −
+    c_ij) = 1, from the sorted costs (the active columns are the cheapest ones; float64)."""
+    c, order = costs.sort(dim=1)
+    ws = w[order]
+    level = (1.0 + (ws * c).cumsum(dim=1)) / ws.cumsum(dim=1)
+    count = (c < level).to(torch.int64).cumprod(dim=1).sum(dim=1).clamp_(min=1)
+    return level.gather(1, (count - 1)[:, None]).squeeze(1)
 
 
 def _sym_kernel():
