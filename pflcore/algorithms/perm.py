@@ -568,7 +568,9 @@ def _water_levels(costs: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     c, order = costs.sort(dim=1)
     ws = w[order]
     level = (1.0 + (ws * c).cumsum(dim=1)) / ws.cumsum(dim=1)
-    count = (c < level).to(torch.int64).cumprod(dim=1).sum(dim=1).clamp_(min=1)
+    # the active columns: the longest prefix whose costs lie below its level (the last such position)
+    at = torch.arange(1, c.shape[1] + 1, device=c.device)
+    count = torch.where(c < level, at, 0).amax(dim=1).clamp_(min=1)
     return level.gather(1, (count - 1)[:, None]).squeeze(1)
 
 
