@@ -28,7 +28,7 @@
           the round that recomputes it, against the next round, which does not. There α's
           gradient pass at w̃ is also the FedAvg steps' first (the paper's Algorithm 2), so α adds
           its solve and the pass's excess over one local step -- the same target, ≤ 0.5× (a).
-      (d) α at a later w̃, after 20 FedAvg rounds of all clients: the gradients have shrunk ~10x,
+      (d) α at a later w̃, after 20 FedAvg rounds of all clients: the gradients have shrunk ~14x,
           each client's weights sit on its nearest ~5% with water levels far below the groups'
           spread, and the screen leaves groups of most columns (what a two-loop α after a longer
           warm-up, or a single-loop run's later α, costs; the warm-up of (a) is one round) -- the
