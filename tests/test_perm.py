@@ -421,16 +421,18 @@ def _contexts_gradients(m=512, d=40, contexts=4, seed=3):
     return (G + 10.0).to(torch.float32), n
 
 
-def test_water_levels_solve_the_level_equation():
-    """``_water_levels``: Σ_j w_j·max(0, τ − c_j) = 1 for each row (random costs, ties, a row whose
-    cheapest column alone carries it), as the native kernel's levels give."""
-    from pflcore.algorithms import perm
+@pytest.mark.parametrize("candidates", [256, 8])
+def test_water_levels_solve_the_level_equation(candidates):
+    """``reference.water_levels`` (the level PERM's float64 probe reads): Σ_j w_j·max(0, τ − c_j) = 1
+    for each row (random costs, ties, a row whose cheapest column alone carries it), with enough
+    candidates at once and with too few (the retries with more)."""
+    from pflcore.backends import reference
     g = torch.Generator().manual_seed(5)
     costs = torch.rand(7, 300, generator=g, dtype=torch.float64)
     costs[1] = 0.25  # every column tied
     costs[2, 0] = -10.0  # (one column far below the others: its level alone)
     w = torch.rand(300, generator=g, dtype=torch.float64) + 0.1
-    tau = perm._water_levels(costs, w)
+    tau = reference.water_levels(costs, w, candidates)
     torch.testing.assert_close((w * (tau[:, None] - costs).clamp(min=0)).sum(1), torch.ones(7, dtype=torch.float64),
                                rtol=0, atol=1e-12)
     assert float(tau[2]) == pytest.approx(-10.0 + 1.0 / float(w[0]), rel=1e-12)

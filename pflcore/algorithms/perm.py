@@ -43,6 +43,7 @@ import torch
 from pflcore import backend, ops
 from pflcore import distributed
 from pflcore.algorithms.base import Algorithm, Context, count_int, per_client, positive, replicate
+from pflcore.backends import reference
 
 _M63 = 0x7FFFFFFFFFFFFFFF
 
@@ -437,13 +438,12 @@ def _shifted_gram32(G32: torch.Tensor, rows: torch.Tensor, cols: Optional[torch.
     C = G32 if cols is None else G32.index_select(0, cols)
     mu = C.mean(dim=0)
     Yc = C - mu if cols is None else C.sub_(mu)
-    if _same_clients(rows, cols, G32.shape[0]):
-        gram = _products(Yc, Yc, sym)
-        sq_c = gram.diagonal().to(torch.float64)
-        return gram, sq_c, sq_c, float(sq_c.mean())
-    if _rows_of_symmetric(sym, rows, Yc, pos):
+    same = _same_clients(rows, cols, G32.shape[0])
+    if same or _rows_of_symmetric(sym, rows, Yc, pos):
         full = _products(Yc, Yc, sym)
         sq_c = full.diagonal().to(torch.float64)
+        if same:
+            return full, sq_c, sq_c, float(sq_c.mean())
         return full.index_select(0, pos), sq_c.index_select(0, pos), sq_c, float(sq_c.mean())
     sq_c = (Yc * Yc).sum(dim=1, dtype=torch.float64)
     Yr = G32.index_select(0, rows).sub_(mu)
@@ -559,19 +559,7 @@ def _float64_needed(G32: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, w
     R = G32.index_select(0, rows[probe]).sub_(mu)
     costs = (R * R).sum(dim=1, dtype=torch.float64)[:, None] + sq_c[None, :] - 2.0 * (R @ C.T).to(torch.float64)
     costs.clamp_(min=0.0)[torch.arange(probe.numel()), pos[probe]] = 0.0
-    return float(sq_c.mean()) > 8.0 * 1.01 * float(_water_levels(costs, w_cols).min())
-
-
-def _water_levels(costs: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The water level τ_i of each row of ``costs [s, k]`` (weights ``w [k]``): Σ_j w_j·max(0, τ_i −
-    c_ij) = 1, from the sorted costs (the active columns are the cheapest ones; float64)."""
-    c, order = costs.sort(dim=1)
-    ws = w[order]
-    level = (1.0 + (ws * c).cumsum(dim=1)) / ws.cumsum(dim=1)
-    # the active columns: the longest prefix whose costs lie below its level (the last such position)
-    at = torch.arange(1, c.shape[1] + 1, device=c.device)
-    count = torch.where(c < level, at, 0).amax(dim=1).clamp_(min=1)
-    return level.gather(1, (count - 1)[:, None]).squeeze(1)
+    return float(sq_c.mean()) > 8.0 * 1.01 * float(reference.water_levels(costs, w_cols).min())
 
 
 def _sym_kernel():

@@ -202,7 +202,14 @@ def _level(c_sorted: torch.Tensor, w_sorted: torch.Tensor) -> torch.Tensor:
 
 def water_fill(costs: torch.Tensor, w: torch.Tensor, candidates: int = 256) -> torch.Tensor:
     """``alpha [r, k]`` float64: α_ij = w_j·max(0, τ_i − c_ij) with the level τ_i at which the row
-    sums to 1 (the rule of csrc/cpu/water_fill.cpp; costs finite, w > 0, both float64).
+    sums to 1 (the rule of csrc/cpu/water_fill.cpp; costs finite, w > 0, both float64), τ from
+    ``water_levels``."""
+    tau = water_levels(costs, w, candidates)
+    return torch.sub(tau[:, None], costs).clamp_(min=0.0).mul_(w[None, :])  # one fresh [r, k]
+
+
+def water_levels(costs: torch.Tensor, w: torch.Tensor, candidates: int = 256) -> torch.Tensor:
+    """``[r]`` float64: the level τ_i at which Σ_j w_j·max(0, τ_i − c_ij) = 1 (costs finite, w > 0).
 
     Sorting a row's costs ascending, the active set is a prefix of length a, and
     τ = (1 + Σ_{j≤a} c_j w_j) / Σ_{j≤a} w_j; a is the longest prefix whose level exceeds its last
@@ -226,7 +233,7 @@ def water_fill(costs: torch.Tensor, w: torch.Tensor, candidates: int = 256) -> t
         exact = level <= bound
         tau[todo[exact]] = level[exact]
         todo, L = todo[~exact], min(8 * L, k)
-    return torch.sub(tau[:, None], costs).clamp_(min=0.0).mul_(w[None, :])  # one fresh [r, k]
+    return tau
 
 
 def water_fill_gram(gram, sq_r, sq_c, own, w, out, out_rows, cols, fill: str = "block") -> torch.Tensor:
