@@ -397,16 +397,27 @@ def test_screened_weights_of_streamed_rows(m):
         torch.set_num_threads(threads)
 
 
-def test_screened_weights_float32_gradients_and_threads():
+@pytest.mark.parametrize("screen", ["clusters", "principal"])
+def test_screened_weights_float32_gradients_and_threads(screen):
+    """float32 gradients: the cluster screen's groups here are below 64 rows, so its products are
+    float64 (the dense solve to rounding); the principal screen takes float32 differences (each
+    cost within ~1.1e-6 relatively), float64 ones with products=torch.float64. The same bits at 1
+    and 2 threads."""
     G, n = _grouped_gradients(200, 31, 4, 0.2, seed=9, dtype=torch.float32)
     dense = water_filling(pairwise_sqdist(G), n, 50.0)
-    torch.testing.assert_close(screened_weights(G, n, 50.0), dense, rtol=1e-9, atol=1e-12)
+    got = screened_weights(G, n, 50.0, screen=screen)
+    if screen == "clusters":
+        torch.testing.assert_close(got, dense, rtol=1e-9, atol=1e-12)
+    else:
+        torch.testing.assert_close(got, dense, rtol=0, atol=5e-7)
+        torch.testing.assert_close(screened_weights(G, n, 50.0, screen=screen, products=torch.float64), dense,
+                                   rtol=1e-9, atol=1e-12)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = screened_weights(G, n, 50.0)
+        one = screened_weights(G, n, 50.0, screen=screen)
         torch.set_num_threads(2)
-        assert torch.equal(screened_weights(G, n, 50.0), one)
+        assert torch.equal(screened_weights(G, n, 50.0, screen=screen), one)
     finally:
         torch.set_num_threads(threads)
 
@@ -502,33 +513,33 @@ def test_screened_weights_float32_products_against_the_float64_solve(monkeypatch
     calls = []
     real = perm._shifted_gram32
     monkeypatch.setattr(perm, "_shifted_gram32", lambda *a: calls.append(a[1].numel()) or real(*a))
-    got = screened_weights(G, n, lam)
+    got = screened_weights(G, n, lam, screen="clusters")
     assert calls and max(calls) >= 64
     scale = float(dense.max())
     assert float((got - dense).abs().max()) <= 2e-6 * scale
     big = dense > 1e-5 * scale
     assert torch.equal(got[big] > 0, dense[big] > 0)
     torch.testing.assert_close(got.sum(1), torch.ones(G.shape[0], dtype=torch.float64), rtol=0, atol=1e-12)
-    torch.testing.assert_close(screened_weights(G, n, lam, products=torch.float64), dense, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(screened_weights(G, n, lam, products=torch.float64, screen="clusters"), dense, rtol=1e-9, atol=1e-12)
     # the groups solved by 2 and 3 worker threads (torch's thread count): bitwise the one-thread α
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = screened_weights(G, n, lam)
+        one = screened_weights(G, n, lam, screen="clusters")
         for t in (2, 3):
             torch.set_num_threads(t)
-            assert torch.equal(screened_weights(G, n, lam), one), t
+            assert torch.equal(screened_weights(G, n, lam, screen="clusters"), one), t
     finally:
         torch.set_num_threads(threads)
     assert torch.get_num_threads() == threads
     # where the levels are small against the group's spread (λ_α → 0: a client keeps its nearest
     # neighbours), the float32 rounding would matter: those groups are solved again in float64
     calls.clear()
-    tiny = screened_weights(G, n, 1e-4)
+    tiny = screened_weights(G, n, 1e-4, screen="clusters")
     assert calls, "the float32 products were tried first"
-    assert torch.equal(tiny, screened_weights(G, n, 1e-4, products=torch.float64))
+    assert torch.equal(tiny, screened_weights(G, n, 1e-4, products=torch.float64, screen="clusters"))
     with pytest.raises(ValueError, match="products: expected None, torch.float32 or torch.float64"):
-        screened_weights(G, n, lam, products=torch.float16)
+        screened_weights(G, n, lam, products=torch.float16, screen="clusters")
 
 
 @pytest.mark.parametrize("d, offset", [(3000, 1e3), (9, 0.0)])
@@ -544,7 +555,7 @@ def test_screened_weights_screen_in_float32_is_conservative(monkeypatch, d, offs
     made = []
     real = perm._centred
     monkeypatch.setattr(perm, "_centred", lambda A: made.append(A.shape) or real(A))
-    got = screened_weights(G, n, 3.0, products=torch.float64)
+    got = screened_weights(G, n, 3.0, products=torch.float64, screen="clusters")
     torch.testing.assert_close(got, dense, rtol=1e-9, atol=1e-11)
     assert torch.equal(got > 1e-9, dense > 1e-9)
     assert float((dense > 0).double().mean()) < 0.6  # weight only inside a group: there was something to skip
@@ -552,7 +563,7 @@ def test_screened_weights_screen_in_float32_is_conservative(monkeypatch, d, offs
     # float32 products where the levels allow them: no float64 copy of the rows at all
     G, n = _contexts_gradients()
     made.clear()
-    screened_weights(G, n, 200.0)  # (levels large against the groups' spread: no group falls back)
+    screened_weights(G, n, 200.0, screen="clusters")  # (levels large against the groups' spread: no group falls back)
     assert made == []
 
 
@@ -655,10 +666,10 @@ def test_screened_weights_with_merged_groups_equal_the_dense_solve(monkeypatch):
     real = perm._merged_patterns
     monkeypatch.setattr(perm, "_merged_patterns",
                         lambda p, g, c: (lambda out: sizes.append((p.shape[0], out[0].shape[0])) or out)(real(p, g, c)))
-    merged = screened_weights(G, n, 5.0, clusters=24)
+    merged = screened_weights(G, n, 5.0, clusters=24, screen="clusters")
     assert sizes[0][1] < sizes[0][0], sizes  # this case has groups to merge
     monkeypatch.setattr(perm, "MERGE_GROWTH", 0.0)  # no merging
-    apart = screened_weights(G, n, 5.0, clusters=24)
+    apart = screened_weights(G, n, 5.0, clusters=24, screen="clusters")
     for got in (merged, apart):
         torch.testing.assert_close(got, dense, rtol=1e-9, atol=1e-12)
         assert torch.equal(got > 1e-9, dense > 1e-9)
@@ -749,10 +760,10 @@ def test_screened_weights_take_the_native_symmetric_products_where_they_serve(mo
                 calls.append(a[2])
                 return core.sym_products(*a)
         monkeypatch.setattr(perm, "_sym_kernel", lambda: Spy())
-    got = screened_weights(G, n, 200.0)
+    got = screened_weights(G, n, 200.0, screen="clusters")
     assert (len(calls) > 0) == (native is not None)
     monkeypatch.setattr(perm, "_sym_kernel", lambda: None)
-    torch_path = screened_weights(G, n, 200.0)
+    torch_path = screened_weights(G, n, 200.0, screen="clusters")
     scale = float(dense.max())
     for a in (got, torch_path):
         assert float((a - dense).abs().max()) <= 2e-6 * scale
@@ -781,10 +792,10 @@ def test_native_screen_bounds_equal_the_torch_ones(monkeypatch, dtype, m, d, gro
 
     merged = perm._merged_patterns  # (its input: the row patterns and groups)
     monkeypatch.setattr(perm, "_merged_patterns", lambda p, g, c: merged(*spy("native", lambda *a: a)(p, g), c))
-    native = screened_weights(G, n, lam, rows)
+    native = screened_weights(G, n, lam, rows, screen="clusters")
     monkeypatch.setattr(perm, "_bounds_kernel", lambda G: None)
     monkeypatch.setattr(perm, "_merged_patterns", lambda p, g, c: merged(*spy("torch", lambda *a: a)(p, g), c))
-    reference = screened_weights(G, n, lam, rows)
+    reference = screened_weights(G, n, lam, rows, screen="clusters")
     assert torch.equal(native, reference)
     (pn, gn), (pt, gt) = seen["native"], seen["torch"]
     assert torch.equal(pn, pt) and torch.equal(gn, gt)

@@ -96,6 +96,11 @@ using WaterFillGramFn = void (*)(const T*, const double*, const double*, const i
                                  const double*, double*, int64_t, const int64_t*, const int64_t*, int, double*,
                                  Faults&);
 
+template <typename T>
+using WaterFillScreenedFn = bool (*)(const T*, int64_t, int64_t, const double*, int64_t, const double*, const double*,
+                                     const double*, double, double, double, const double*, int64_t, int64_t, bool,
+                                     int64_t, double*, double*, int64_t*, Faults&);
+
 struct KernelTable {
   const char* level;  // "baseline", "avx2", "avx512" or "native"
   Typed<LocalStepsFn> local_steps;
@@ -124,6 +129,7 @@ struct KernelTable {
   void (*anderson_solve)(const double*, int64_t, double, double*);
   void (*water_fill)(const double*, int64_t, int64_t, const double*, double*, Faults&);
   Typed<WaterFillGramFn> water_fill_gram;
+  Typed<WaterFillScreenedFn> water_fill_screened;
   void (*sample_batches)(const int64_t*, int64_t, int64_t, const int64_t*, int64_t, int64_t, int64_t, int64_t,
                          uint32_t, uint32_t, int32_t*, Faults&);
   bool (*mlp_local_steps_supported)(int64_t, int64_t);

@@ -34,6 +34,7 @@ const KernelTable& level_table() {
     t.anderson_solve = anderson_solve;
     t.water_fill = water_fill;
     t.water_fill_gram = {water_fill_gram<float>, water_fill_gram<double>};
+    t.water_fill_screened = {water_fill_screened<float>, water_fill_screened<double>};
     t.sample_batches = sample_batches;
     t.mlp_local_steps_supported = mlp_local_steps_supported;
     t.mlp_local_steps = mlp_local_steps;

@@ -42,6 +42,7 @@ import torch
 
 from pflcore import backend, ops
 from pflcore import distributed
+from pflcore.algorithms import _perm_principal
 from pflcore.algorithms.base import Algorithm, Context, count_int, per_client, positive, replicate
 from pflcore.backends import reference
 
@@ -227,11 +228,26 @@ def _screen_stats_torch(G: torch.Tensor, omega: torch.Tensor, k: int):
 
 
 def screened_weights(G: torch.Tensor, sizes: torch.Tensor, lam_alpha: float, rows: slice = slice(None),
-                     clusters: int = 16, projection: int = 16, products: Optional[torch.dtype] = None) -> torch.Tensor:
+                     clusters: int = 16, projection: int = 16, products: Optional[torch.dtype] = None,
+                     screen: str = "auto") -> torch.Tensor:
     """``water_filling(pairwise_sqdist(G, rows), sizes, lam_alpha)`` (to float rounding), without
     forming the distances of pairs that cannot carry weight.
 
-    Where the clients' gradients form groups (the setting PERM is for), client i's weights sit
+    Two screens. On the CPU with the native module, first the pair screen of
+    ``_perm_principal``: every pair's cost bounded from the gradients' coordinates in 16
+    principal directions and their residuals' norms, the costs computed only for the pairs whose
+    lower bound is below the row's level (one kernel call, csrc/cpu/water_fill_screened.cpp); its
+    costs are float64 differences of the gradients, or float32 differences for float32 gradients
+    (``products`` None or float32: each cost within ~1.1e-6 of its value, relatively). The
+    cluster screen below is planned first, and the pair screen used where that plan would compute
+    more than ``_perm_principal.CLUSTER_PAIRS_SHARE`` of the pairs (once FedAvg has run a while,
+    the contexts stop being separable to the cluster bounds) and the pair screen is tight (its
+    candidates at most a quarter of the columns); elsewhere (GPU, the reference backend, float64
+    gradients with ``products=torch.float32``), the cluster screen. ``screen``: ``"auto"`` (that
+    choice), ``"principal"`` (the pair screen however loose, where the kernel serves) or
+    ``"clusters"``.
+
+    The cluster screen. Where the clients' gradients form groups (the setting PERM is for), client i's weights sit
     on its own group and the m × m × d Gram matrix is mostly spent on zeros. The rows of G are
     clustered (farthest-point traversal in a random ``projection``; cheap, deterministic) and,
     with the cluster means μ_b and radii r_b in the full space, the triangle inequality bounds
@@ -273,14 +289,15 @@ def screened_weights(G: torch.Tensor, sizes: torch.Tensor, lam_alpha: float, row
     Returns float64 ``[r, m]`` (the rows ``rows``)."""
     threads = torch.get_num_threads()
     try:
-        return _screened_weights(G, sizes, lam_alpha, rows, clusters, projection, products, threads)
+        return _screened_weights(G, sizes, lam_alpha, rows, clusters, projection, products, threads, screen)
     finally:
         if torch.get_num_threads() != threads:  # (an error between the switches below)
             torch.set_num_threads(threads)
 
 
 def _screened_weights(G: torch.Tensor, sizes: torch.Tensor, lam_alpha: float, rows: slice, clusters: int,
-                      projection: int, products: Optional[torch.dtype], threads: int = 1) -> torch.Tensor:
+                      projection: int, products: Optional[torch.dtype], threads: int = 1,
+                      screen: str = "auto") -> torch.Tensor:
     if G.dim() != 2 or G.shape[0] < 1:
         raise ValueError(f"G: expected shape [m, d] with m >= 1, got {list(G.shape)}")
     m, d = G.shape
@@ -293,8 +310,17 @@ def _screened_weights(G: torch.Tensor, sizes: torch.Tensor, lam_alpha: float, ro
     lam = positive(lam_alpha, "lam_alpha", "screened_weights")
     if products not in (None, torch.float32, torch.float64):
         raise ValueError(f"products: expected None, torch.float32 or torch.float64, got {products!r}")
+    if screen not in ("auto", "principal", "clusters"):
+        raise ValueError(f"screen: expected 'auto', 'principal' or 'clusters', got {screen!r}")
     low = products is torch.float32 or (products is None and G.dtype is not torch.float64)
     first, stop = rows.start or 0, m if rows.stop is None else rows.stop
+    # the pair screen in a few principal directions (module _perm_principal): asked for, or (auto)
+    # where the cluster screen's plan below would compute most pairs and the pair screen is tight
+    core = None if screen == "clusters" or (products is torch.float32 and G.dtype is torch.float64) \
+        else _perm_principal.kernel(G)
+    f64_costs = products is torch.float64 or G.dtype is torch.float64
+    if core is not None and screen == "principal":
+        return _perm_principal.weights(G, sizes, lam, first, stop, f64_costs, core, math.inf)
     # The screen's sums in the gradients' precision, from their rows centred in it, with bounds on
     # their rounding; float64 only where a group's products need it (the centred float64 rows and
     # their norms were ~1.3 ms of a ~14 ms solve at m = 2,000).
@@ -339,6 +365,14 @@ def _screened_weights(G: torch.Tensor, sizes: torch.Tensor, lam_alpha: float, ro
     tasks = [(torch.nonzero(group == g_idx).flatten(),  # the group's rows (ascending)
               torch.nonzero(patterns[g_idx][labels]).flatten())  # its columns: ascending client ids
              for g_idx in range(patterns.shape[0])]
+    if core is not None:
+        pairs = sum(r_idx.numel() * cols.numel() for r_idx, cols in tasks)
+        if pairs > _perm_principal.CLUSTER_PAIRS_SHARE * (stop - first) * m:
+            if threads != 1:
+                torch.set_num_threads(threads)
+            alpha = _perm_principal.weights(G, sizes, lam, first, stop, f64_costs, core)
+            if alpha is not None:
+                return alpha
 
     def solve(r_idx: torch.Tensor, cols: torch.Tensor) -> None:
         gi = r_idx + first

@@ -229,6 +229,19 @@ void water_fill_gram(const T* gram /*[r, k]*/, const double* sq_r /*[r]*/, const
                      const int64_t* cols /*[k], in [0, out_stride)*/, int fill, double* levels /*[r]*/,
                      Faults& faults);
 
+// PERM's weights of rows first..stop of the costs c_ij = ‖g_i − g_j‖² (the differences of the rows
+// of G in float64, or in float32 for float32 G unless f64_costs), computing only the costs the
+// caller's bounds cannot rule out (perm.py's principal screen; the bounds' formulas in
+// csrc/cpu/water_fill_screened.cpp). Every output row is written whole; counts[i − first]: the
+// row's candidates (−1: bounds that failed, the row computed from every column). Returns false,
+// having written only counts, where the rows' candidates add up to more than max_candidates.
+template <typename T>
+bool water_fill_screened(const T* G /*[m, d]*/, int64_t m, int64_t d, const double* PT /*[r, m]*/, int64_t r,
+                         const double* rho_lo /*[m]*/, const double* rho_hi /*[m]*/, const double* slack /*[m]*/,
+                         double k_lo, double k_hi, double eta, const double* w /*[m]*/, int64_t first, int64_t stop,
+                         bool f64_costs, int64_t max_candidates, double* out /*[stop − first, m]*/,
+                         double* levels /*[stop − first]*/, int64_t* counts /*[stop − first]*/, Faults& faults);
+
 // Checks each client index and its offsets (as the GLM kernels do) before drawing its rows.
 void sample_batches(const int64_t* offsets /*[m + 1]*/, int64_t m, int64_t N, const int64_t* clients /*[R] or null*/,
                     int64_t first_id /*global id of client 0*/, int64_t R, int64_t steps, int64_t B,
