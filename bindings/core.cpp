@@ -680,27 +680,28 @@ PYBIND11_MODULE(_core, m) {
     }
     raise_faults(faults);
   });
-  // PT [r, m], rho_lo, rho_hi, slack, w float64 [m]; out [stop − first, m], levels, counts [stop − first]
+  // PT [r, m], rho_lo, rho_hi, slack float32 [m] (scaled); w float64 [m]; out [stop − first, m], levels, counts
   m.def("water_fill_screened", [](bool f64, ptr_t G, int64_t m, int64_t d, ptr_t PT, int64_t r, ptr_t rho_lo,
-                                  ptr_t rho_hi, ptr_t slack, double k_lo, double k_hi, double eta, ptr_t w,
+                                  ptr_t rho_hi, ptr_t slack, double k_lo, double k_hi, double eta,
+                                  double cost_scale, ptr_t w,
                                   int64_t first, int64_t stop, bool f64_costs, int64_t max_candidates, ptr_t out,
                                   ptr_t levels, ptr_t counts) -> bool {
     require(m >= 1 && d >= 1 && r >= 1 && 0 <= first && first <= stop && stop <= m && G && PT && rho_lo && rho_hi &&
-                slack && w && (first == stop || (out && levels && counts)),
-            "water_fill_screened", "expected m, d, r >= 1, 0 <= first <= stop <= m and non-null buffers");
+                slack && w && (first == stop || (out && levels && counts)) && cost_scale > 0.0,
+            "water_fill_screened", "expected m, d, r >= 1, 0 <= first <= stop <= m, cost_scale > 0 and non-null buffers");
     Faults faults;
     bool done;
     {
       py::gil_scoped_release nogil;
       if (f64)
         done = cpu::active().water_fill_screened.f64(
-            as<const double>(G), m, d, as<const double>(PT), r, as<const double>(rho_lo), as<const double>(rho_hi),
-            as<const double>(slack), k_lo, k_hi, eta, as<const double>(w), first, stop, f64_costs, max_candidates,
+            as<const double>(G), m, d, as<const float>(PT), r, as<const float>(rho_lo), as<const float>(rho_hi),
+            as<const float>(slack), k_lo, k_hi, eta, cost_scale, as<const double>(w), first, stop, f64_costs, max_candidates,
             as<double>(out), as<double>(levels), as<int64_t>(counts), faults);
       else
         done = cpu::active().water_fill_screened.f32(
-            as<const float>(G), m, d, as<const double>(PT), r, as<const double>(rho_lo), as<const double>(rho_hi),
-            as<const double>(slack), k_lo, k_hi, eta, as<const double>(w), first, stop, f64_costs, max_candidates,
+            as<const float>(G), m, d, as<const float>(PT), r, as<const float>(rho_lo), as<const float>(rho_hi),
+            as<const float>(slack), k_lo, k_hi, eta, cost_scale, as<const double>(w), first, stop, f64_costs, max_candidates,
             as<double>(out), as<double>(levels), as<int64_t>(counts), faults);
     }
     raise_faults(faults);

@@ -72,19 +72,21 @@ def test_principal_bounds_hold_for_every_pair(dtype, m, d, rank, noise, offset):
     10⁴× the distances, where a Gram formula would cancel), d = 1, full rank (the basis misses most
     of the spread), exact low rank (residuals 0, the rounding all there is)."""
     G, _ = _low_rank_gradients(m, d, rank, noise, seed=d, dtype=dtype, offset=offset)
-    PT, lo, hi, slack, k_lo, k_hi, eta = principal.bounds(G)
-    P = PT.T
+    b = principal.bounds(G)
+    P, lo, hi, slack = b.PT.T.double(), b.rho_lo.double(), b.rho_hi.double(), b.slack.double()
+    k_lo, k_hi, eta = b.k_lo, b.k_hi, b.eta
     A = ((P[:, None, :] - P[None, :, :]) ** 2).sum(dim=2)
     gap = torch.maximum(lo[:, None] - hi[None, :], lo[None, :] - hi[:, None]).clamp(min=0)
     e = slack[:, None] + slack[None, :]
     lower = k_lo * A + (1 - eta) * gap ** 2 - e
     upper = k_hi * A + (1 + eta) * (hi[:, None] + hi[None, :]) ** 2 + e
-    c = _exact_costs(G)
+    c = _exact_costs(G) * b.cost_scale
     assert bool((lower <= c).all()) and bool((c <= upper).all())
     # and they are not vacuous where the rows lie in the subspace: apart by their relative slack and
-    # the rounding of the gradients' dtype (float32: the residuals' norms known to ~1e-2 of the rows')
+    # the rounding (the bounds' coordinates are float32; float32 gradients: the residuals' norms
+    # known to ~1e-2 of the rows')
     if noise == 0.0 and rank < d and offset < 100:
-        tol = 1e-9 if dtype is torch.float64 else 1e-4
+        tol = 1e-6 if dtype is torch.float64 else 1e-4
         assert float((upper - lower - (k_hi - k_lo + 2 * eta) * c).max()) < tol * float(c.max()) + 1e-12
 
 
@@ -95,16 +97,16 @@ def test_rows_whose_bounds_fail_are_computed_from_every_column():
     G, n = _low_rank_gradients(300, 20, 3, 0.05, seed=5)
     lam = 20.0
     dense = water_filling(pairwise_sqdist(G), n, lam)
-    PT, lo, hi, slack, k_lo, k_hi, eta = principal.bounds(G)
+    b = principal.bounds(G)
     m, d = G.shape
     w = n.to(torch.float64) / (2 * lam)
     out, levels, counts = torch.empty(m, m, dtype=torch.float64), torch.empty(m, dtype=torch.float64), \
         torch.empty(m, dtype=torch.int64)
-    wrong = torch.zeros_like(hi)  # ρ ∈ [0, 0]: the residuals' part of every cost dropped
-    assert core.water_fill_screened(True, G.data_ptr(), m, d, PT.data_ptr(), PT.shape[0], wrong.data_ptr(),
-                                    wrong.data_ptr(), torch.zeros_like(slack).data_ptr(), 1.0, 1.0, 0.0,
-                                    w.data_ptr(), 0, m, True, 2 ** 62, out.data_ptr(), levels.data_ptr(),
-                                    counts.data_ptr())
+    wrong = torch.zeros_like(b.rho_hi)  # ρ ∈ [0, 0]: the residuals' part of every cost dropped
+    assert core.water_fill_screened(True, G.data_ptr(), m, d, b.PT.data_ptr(), b.PT.shape[0], wrong.data_ptr(),
+                                    wrong.data_ptr(), torch.zeros_like(b.slack).data_ptr(), 1.0, 1.0, 0.0,
+                                    b.cost_scale, w.data_ptr(), 0, m, True, 2 ** 62, out.data_ptr(),
+                                    levels.data_ptr(), counts.data_ptr())
     assert int((counts == -1).sum()) > 0
     torch.testing.assert_close(out, dense, rtol=1e-9, atol=1e-12)
 

@@ -97,9 +97,9 @@ using WaterFillGramFn = void (*)(const T*, const double*, const double*, const i
                                  Faults&);
 
 template <typename T>
-using WaterFillScreenedFn = bool (*)(const T*, int64_t, int64_t, const double*, int64_t, const double*, const double*,
-                                     const double*, double, double, double, const double*, int64_t, int64_t, bool,
-                                     int64_t, double*, double*, int64_t*, Faults&);
+using WaterFillScreenedFn = bool (*)(const T*, int64_t, int64_t, const float*, int64_t, const float*, const float*,
+                                     const float*, double, double, double, double, const double*, int64_t, int64_t,
+                                     bool, int64_t, double*, double*, int64_t*, Faults&);
 
 struct KernelTable {
   const char* level;  // "baseline", "avx2", "avx512" or "native"

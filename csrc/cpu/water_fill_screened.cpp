@@ -1,26 +1,31 @@
-// PERM's weights of rows first..stop (pflcore/algorithms/perm.py, _principal_weights) where the
-// caller's bounds LB_ij ≤ c_ij ≤ UB_ij of every cost c_ij = ‖g_i − g_j‖² decide which costs are
-// computed. The bounds come from the rows' coordinates p_i on a few principal directions and the
-// norms ρ_i of their residuals (known to within [ρlo_i, ρhi_i]):
+// PERM's weights of rows first..stop (pflcore/algorithms/_perm_principal.py) where the caller's
+// bounds LB_ij ≤ c_ij ≤ UB_ij of every cost c_ij = ‖g_i − g_j‖² decide which costs are computed.
+// The bounds come from the rows' coordinates p_i on a few principal directions and the norms ρ_i
+// of their residuals (known to within [ρlo_i, ρhi_i]):
 //   A_ij = ‖p_i − p_j‖²,  gap = max(0, ρlo_i − ρhi_j, ρlo_j − ρhi_i)
 //   LB_ij = k_lo·A_ij + (1 − η)·gap² − (slack_i + slack_j)
 //   UB_ij = k_hi·A_ij + (1 + η)·(ρhi_i + ρhi_j)² + (slack_i + slack_j),   UB_ii = 0
 // (k_lo, k_hi, η and the slacks hold the basis' departure from orthonormality and the rounding of
-// the coordinates; perm.py derives them).
+// the coordinates; _perm_principal.bounds derives them). The bounds are evaluated in float32 on
+// inputs scaled by powers of 2 (coordinates at most ~1), with the coefficients moved toward safety
+// by more than that arithmetic's rounding and a 2^-100 floor for what underflows.
 //
 // A. Per row: LB and UB against every column; τ_up = the level of the UB costs (costs at least the
-//    true ones: a level at least τ_i), rounded up; the candidates j with LB_ij < τ_up, as a bit
-//    set — every column with c_ij < τ_i is among them; and the row's nearest candidates.
-// B. Blocks of up to kRows rows that are each other's near candidates (their candidate sets
-//    overlap most), formed one after another in row order.
+//    true ones: a level at least τ_i), rounded up — from the level of a sample of the columns (at
+//    least the level of all), then Michelot's iteration over the columns below it; the candidates
+//    j with LB_ij < τ_up, as a bit set (every column with c_ij < τ_i is among them); and a few of
+//    them, evenly spaced (any candidate is near the row).
+// B. Blocks of up to kRows rows that are each other's candidates (their candidate sets overlap
+//    most), formed one after another in row order.
 // C. Per block: the union of its rows' candidates, each union column's row of G read once for the
-//    block's rows: c_ij = Σ_k (g_ik − g_jk)² in float64, from the gradients as given; each row's
-//    level over the union (a superset of its candidates: the other columns hold 0 at τ_i).
+//    block's rows, two columns at a time: c_ij = Σ_k (g_ik − g_jk)², float64 differences of the
+//    gradients as given, or float32 ones for float32 gradients (unless f64_costs); each row's level
+//    over the union (a superset of its candidates: the other columns hold 0 at τ_i).
 //
 // τ_i's sums are taken again over its active columns alone, in index order, and a cost's bits do
 // not depend on the block it was computed in: the bounds, which come from BLAS products whose bits
 // may depend on the thread count, decide only which columns are computed, not the weights. A row
-// whose level exceeds its τ_up (bounds that did not hold: never, with perm.py's error terms) is
+// whose level exceeds its τ_up (bounds that did not hold: never, with the caller's error terms) is
 // computed from every column; its count is −1.
 #include <algorithm>
 #include <cmath>
@@ -45,8 +50,8 @@ constexpr int L = VD::L;
 
 constexpr int kRows = 8;        // rows of a block (phase C): 8 float32 rows of G (d = 610: 19.5 KB) stay in L1
 constexpr int kBoundRows = 4;   // rows of one pass of the bounds (phase A)
-constexpr int kNeighbours = 16;  // nearest candidates kept per row, from which the blocks are formed
-// vectors of columns per pass of the bounds: kRows × kBoundVecs accumulators in registers
+constexpr int kNeighbours = 16;  // candidates kept per row, from which the blocks are formed
+// vectors of columns per pass of the bounds: kBoundRows × kBoundVecs accumulators in registers
 constexpr int kBoundVecs = simd::kRegs >= 32 ? 4 : 2;
 
 // L values of T, to be widened to float64 (a struct: see simd::Vec).
@@ -181,101 +186,107 @@ inline void sq_distances32(const float* x, const float* const* y, int64_t d, dou
     }
 }
 
-// The cache lines of n values of T from p, requested ahead of their reads (the next union
-// column's row of G, ~2.4 KB somewhere in an L3-resident matrix: the hardware prefetcher starts
-// each such row anew).
-template <typename T>
-inline void prefetch_row(const T* p, int64_t n) {
-  const char* b = reinterpret_cast<const char*>(p);
-  const char* e = reinterpret_cast<const char*>(p + n);
-  for (; b < e; b += 64) __builtin_prefetch(b, 0, 3);
-}
-
+// Phase A's inputs, in float32 and scaled by the caller so that the coordinates are at most ~1
+// (PT, ρ by 2^-k, the slacks and the costs of the bounds by 2^-2k): 16 lanes a vector, no
+// overflow or underflow of squares that matter (a 2^-100 floor covers what underflows).
 struct Screen {
-  const double* PT;  // [r, m]
+  const float* PT;  // [r, m]
   int64_t r, m;
-  const double *rho_lo, *rho_hi, *slack, *w, *inv_w;  // [m]
-  double k_lo, k_hi, eta, sum_w;
+  const float *rho_lo, *rho_hi, *slack;  // [m]
+  const double *w, *inv_w;               // [m]: the weights in the bounds' units (w / cost_scale), inverses
+  const double *wr, *inv_wr;             // [m]: the weights and their inverses (phase C)
+  float k_lo, k_hi, e_lo, e_hi;          // the coefficients, rounded toward safety (see water_fill_screened)
 };
 
-// Phase A's bounds for the R rows i0.. : lb, ub [R][m]; start[q] = an upper bound of the level of
-// row q's UB costs (the best single column's level and g(every column), from UB costs at least
-// those of phase A: UB_ii is set to 0 after).
+using VFs = simd::Vec<float>;
+using Fv = VFs::V;
+constexpr int LF = VFs::L;
+constexpr float kFloor = 0x1p-100f;  // absolute margin of the float32 bounds (underflow)
+
+// Phase A's bounds for the R rows i0.. against every column: lb, ub [R][m] (float32).
 template <int R>
-void bound_rows(const Screen& s, int64_t i0, double* lb, double* ub, double* start) {
+void bound_rows(const Screen& s, int64_t i0, float* lb, float* ub) {
   const int64_t m = s.m;
-  constexpr int NB = kBoundVecs, C = NB * L;
-  double lo[R], hi[R], sl[R];
+  constexpr int NB = kBoundVecs, C = NB * LF;
+  float lo[R], hi[R], sl[R];
   for (int q = 0; q < R; ++q) lo[q] = s.rho_lo[i0 + q], hi[q] = s.rho_hi[i0 + q], sl[q] = s.slack[i0 + q];
-  V vmin[R], vscw[R];
-  for (int q = 0; q < R; ++q) vmin[q] = simd::splat<V>(std::numeric_limits<double>::infinity()), vscw[q] = V{};
-  double smin[R], sscw[R];
-  for (int q = 0; q < R; ++q) smin[q] = std::numeric_limits<double>::infinity(), sscw[q] = 0.0;
   int64_t j0 = 0;
   for (; j0 + C <= m; j0 += C) {
-    V acc[R][NB] = {};
+    Fv acc[R][NB] = {};
     for (int64_t k = 0; k < s.r; ++k) {
-      const double* pk = s.PT + k * m;
-      V col[NB];
-      for (int b = 0; b < NB; ++b) col[b] = VD::load(pk + j0 + b * L);
+      const float* pk = s.PT + k * m;
+      Fv col[NB];
+      for (int b = 0; b < NB; ++b) col[b] = VFs::load(pk + j0 + b * LF);
       for (int q = 0; q < R; ++q) {
-        const V c = simd::splat<V>(pk[i0 + q]);
+        const Fv c = simd::splat<Fv>(pk[i0 + q]);
         for (int b = 0; b < NB; ++b) {
-          const V t = col[b] - c;
+          const Fv t = col[b] - c;
           acc[q][b] += t * t;
         }
       }
     }
     for (int b = 0; b < NB; ++b) {
-      const int64_t j = j0 + b * L;
-      const V hj = VD::load(s.rho_hi + j), lj = VD::load(s.rho_lo + j), sj = VD::load(s.slack + j);
-      const V wj = VD::load(s.w + j), iwj = VD::load(s.inv_w + j);
+      const int64_t j = j0 + b * LF;
+      const Fv hj = VFs::load(s.rho_hi + j), lj = VFs::load(s.rho_lo + j), sj = VFs::load(s.slack + j);
       for (int q = 0; q < R; ++q) {
-        const V g1 = lo[q] - hj, g2 = lj - hi[q];
-        V gap = g1 > g2 ? g1 : g2;
-        gap = gap > 0.0 ? gap : V{};
-        const V sum = hi[q] + hj, e = sl[q] + sj;
-        const V u = s.k_hi * acc[q][b] + (1.0 + s.eta) * (sum * sum) + e;
-        VD::store(lb + q * m + j, s.k_lo * acc[q][b] + (1.0 - s.eta) * (gap * gap) - e);
-        VD::store(ub + q * m + j, u);
-        const V single = u + iwj;
-        vmin[q] = single < vmin[q] ? single : vmin[q];
-        vscw[q] += u * wj;
+        const Fv g1 = lo[q] - hj, g2 = lj - hi[q];
+        Fv gap = g1 > g2 ? g1 : g2;
+        gap = gap > 0.0f ? gap : Fv{};
+        const Fv sum = hi[q] + hj, e = sl[q] + sj;
+        VFs::store(lb + q * m + j, (s.k_lo * acc[q][b] + s.e_lo * (gap * gap)) - (e + kFloor));
+        VFs::store(ub + q * m + j, (s.k_hi * acc[q][b] + s.e_hi * (sum * sum)) + (e + kFloor));
       }
     }
   }
   for (; j0 < m; ++j0) {  // the tail, column by column
     for (int q = 0; q < R; ++q) {
-      double a = 0.0;
+      float a = 0.0f;
       for (int64_t k = 0; k < s.r; ++k) {
-        const double t = s.PT[k * m + j0] - s.PT[k * m + i0 + q];
+        const float t = s.PT[k * m + j0] - s.PT[k * m + i0 + q];
         a += t * t;
       }
-      const double gap = std::max(0.0, std::max(lo[q] - s.rho_hi[j0], s.rho_lo[j0] - hi[q]));
-      const double sum = hi[q] + s.rho_hi[j0], e = sl[q] + s.slack[j0];
-      const double u = s.k_hi * a + (1.0 + s.eta) * (sum * sum) + e;
-      lb[q * m + j0] = s.k_lo * a + (1.0 - s.eta) * (gap * gap) - e;
-      ub[q * m + j0] = u;
-      smin[q] = std::min(smin[q], u + s.inv_w[j0]);
-      sscw[q] += u * s.w[j0];
+      const float gap = std::max(0.0f, std::max(lo[q] - s.rho_hi[j0], s.rho_lo[j0] - hi[q]));
+      const float sum = hi[q] + s.rho_hi[j0], e = sl[q] + s.slack[j0];
+      lb[q * m + j0] = (s.k_lo * a + s.e_lo * (gap * gap)) - (e + kFloor);
+      ub[q * m + j0] = (s.k_hi * a + s.e_hi * (sum * sum)) + (e + kFloor);
     }
-  }
-  for (int q = 0; q < R; ++q) {
-    double mn = smin[q], scw = sscw[q];
-    for (int l = 0; l < L; ++l) mn = std::min(mn, vmin[q][l]), scw += vscw[q][l];
-    start[q] = std::min(mn, (1.0 + scw) / s.sum_w);
   }
 }
 
+// The entries of (c [n] float32, w [n]) below tau, widened, at the front of (Ac, Aw); returns how
+// many. (The start of Michelot's iteration over a row's upper bounds.)
+inline int64_t below_f32(const float* c, const double* w, int64_t n, double tau, double* Ac, double* Aw) {
+  int64_t kept = 0, j = 0;
+#if defined(__AVX512F__)
+  const __m512d level = _mm512_set1_pd(tau);
+  for (; j + 8 <= n; j += 8) {
+    const __m512d cv = _mm512_cvtps_pd(_mm256_loadu_ps(c + j));
+    const __mmask8 keep = _mm512_cmp_pd_mask(cv, level, _CMP_LT_OQ);
+    const int count = __builtin_popcount(unsigned(keep));
+    const __mmask8 front = __mmask8((1u << count) - 1u);
+    _mm512_mask_storeu_pd(Ac + kept, front, _mm512_maskz_compress_pd(keep, cv));
+    _mm512_mask_storeu_pd(Aw + kept, front, _mm512_maskz_compress_pd(keep, _mm512_loadu_pd(w + j)));
+    kept += count;
+  }
+#endif
+  for (; j < n; ++j) {
+    const double cj = c[j];
+    Ac[kept] = cj;
+    Aw[kept] = w[j];
+    kept += cj < tau;
+  }
+  return kept;
+}
+
 // Bits j of `bits` [ceil(m / 64)] set where lb[j] < level.
-inline void below_bits(const double* lb, int64_t m, double level, uint64_t* bits) {
+inline void below_bits(const float* lb, int64_t m, float level, uint64_t* bits) {
   const int64_t words = (m + 63) / 64;
   std::fill(bits, bits + words, uint64_t(0));
   int64_t j = 0;
 #if defined(__AVX512F__)
-  const __m512d lv = _mm512_set1_pd(level);
-  for (; j + 8 <= m; j += 8) {
-    const unsigned mask = _mm512_cmp_pd_mask(_mm512_loadu_pd(lb + j), lv, _CMP_LT_OQ);
+  const __m512 lv = _mm512_set1_ps(level);
+  for (; j + 16 <= m; j += 16) {
+    const unsigned mask = _mm512_cmp_ps_mask(_mm512_loadu_ps(lb + j), lv, _CMP_LT_OQ);
     bits[j >> 6] |= uint64_t(mask) << (j & 63);
   }
 #endif
@@ -290,47 +301,56 @@ inline int64_t bit_indices(const uint64_t* bits, int64_t words, int64_t* idx) {
   return n;
 }
 
-// Phase A for the R rows i0.. (R ≤ kRows): each row's τ_up, candidate bits [words] and
-// kNeighbours nearest candidates (by LB, nearest first; −1 past the last), candidate count.
-// lb, ub: scratch [kBoundRows][m]; Ac, Aw: [m]; idx: [m].
+// Phase A for the R rows i0.. (R ≤ kBoundRows): each row's τ_up (in the costs' units), candidate
+// bits [words], kNeighbours of its candidates (−1 past the last) and
+// candidate count. lb, ub: scratch [kBoundRows][m]; Sc, Sw, Ac, Aw: [m]; idx: [m].
+// The level of a row's upper bounds: first that of a sample of its columns (every kSampleStride-th
+// and its own), which is at least the level of all (a subset's level is); then Michelot's
+// iteration from there over every column below it (~260 of 2,000 at m = 2,000 once FedAvg has run
+// a while, where the best single column's level kept ~1,200).
+constexpr int64_t kSampleStride = 8;
+
 template <int R>
-__attribute__((noinline)) void screen_rows(const Screen& s, int64_t i0, int64_t first, int64_t words, double* lb,
-                                           double* ub, double* Ac, double* Aw, int64_t* idx, double* tau_up,
-                                           uint64_t* cand, int64_t* near, int64_t* counts) {
+__attribute__((noinline)) void screen_rows(const Screen& s, double cost_scale, int64_t i0, int64_t first,
+                                           int64_t words, float* lb, float* ub, double* Sc, double* Sw, double* Ac,
+                                           double* Aw, int64_t* idx, double* tau_up, uint64_t* cand, int64_t* near,
+                                           int64_t* counts) {
   const int64_t m = s.m;
-  double start[R];
-  bound_rows<R>(s, i0, lb, ub, start);
+  bound_rows<R>(s, i0, lb, ub);
   for (int q = 0; q < R; ++q) {
     const int64_t i = i0 + q, row = i - first;
-    double* u = ub + q * m;
-    double* l = lb + q * m;
-    u[i] = 0.0;  // the row's own client: cost exactly 0
-    l[i] = -1.0;
-    const double up = row_level_from<false>(u, s.w, m, start[q], Ac, Aw, nullptr, nullptr) * (1.0 + 1e-9);
-    tau_up[row] = up;
+    float* u = ub + q * m;
+    float* l = lb + q * m;
+    u[i] = 0.0f;  // the row's own client: cost exactly 0
+    l[i] = -1.0f;
+    // the sample's level (its own column first), then every column below it
+    int64_t ns = 0;
+    double tau = 1.0 / s.w[i];  // the own column's level (cost 0)
+    Sc[ns] = 0.0, Sw[ns] = s.w[i], ++ns;
+    for (int64_t j = i % kSampleStride; j < m; j += kSampleStride) {
+      if (j == i) continue;
+      Sc[ns] = u[j], Sw[ns] = s.w[j], ++ns;
+      tau = std::min(tau, double(u[j]) + s.inv_w[j]);
+    }
+    tau = row_level_from<false>(Sc, Sw, ns, tau, Ac, Aw, nullptr, nullptr);
+    const int64_t n0 = below_f32(u, s.w, m, tau, Sc, Sw);
+    const double up = row_level_from<false>(Sc, Sw, n0, tau, Ac, Aw, nullptr, nullptr) * (1.0 + 1e-9);
+    tau_up[row] = up / cost_scale;
     uint64_t* bits = cand + row * words;
-    below_bits(l, m, up, bits);
-    // the row's kNeighbours nearest candidates by their lower bounds (insertion into a short list)
+    below_bits(l, m, std::nextafter(float(up), std::numeric_limits<float>::infinity()), bits);
+    // kNeighbours of the row's candidates, evenly spaced in index order (any candidate is near: its
+    // lower bound is below the row's level), for the blocks of phase B
     const int64_t nc = bit_indices(bits, words, idx);
-    double best[kNeighbours];
     int64_t* nb = near + row * kNeighbours;
     int kept = 0;
-    for (int64_t c = 0; c < nc; ++c) {
-      const int64_t j = idx[c];
-      const double v = l[j];
-      if (j == i || (kept == kNeighbours && !(v < best[kNeighbours - 1]))) continue;
-      int at = kept < kNeighbours ? kept++ : kNeighbours - 1;
-      while (at > 0 && v < best[at - 1]) {
-        best[at] = best[at - 1], nb[at] = nb[at - 1];
-        --at;
-      }
-      best[at] = v, nb[at] = j;
-    }
+    const int64_t step = std::max<int64_t>(1, nc / kNeighbours);
+    for (int64_t c = 0; c < nc && kept < kNeighbours; c += step)
+      if (idx[c] != i) nb[kept++] = idx[c];
     counts[row] = nc;
   }
 }
 
-// Phase B: blocks of up to kRows rows, each unplaced row in order with its nearest unplaced
+// Phase B: blocks of up to kRows rows, each unplaced row in order with its unplaced kept
 // candidates (then theirs). Returns the rows in block order; block b is order[start[b] .. start[b + 1]).
 inline void form_blocks(int64_t first, int64_t stop, const int64_t* near, std::vector<int64_t>& order,
                         std::vector<int64_t>& start) {
@@ -399,8 +419,6 @@ __attribute__((noinline)) void block_weights(const Screen& s, const T* G, int64_
   const int64_t nu = bit_indices(b.uni.data(), words, b.U.data());
   for (int64_t c = 0; c < nu; c += 2) {  // the union's columns two at a time
     const int C = c + 1 < nu ? 2 : 1;
-    for (int e = 0; e < 2; ++e)  // the next pair's rows of G requested ahead
-      if (c + 2 + e < nu) prefetch_row(G + b.U[size_t(c + 2 + e)] * d, d);
     const T* y[2] = {G + b.U[size_t(c)] * d, G + b.U[size_t(c + C - 1)] * d};
     double dist[2][kRows];
     if (C == 2)
@@ -410,8 +428,8 @@ __attribute__((noinline)) void block_weights(const Screen& s, const T* G, int64_
     for (int e = 0; e < C; ++e) {
       const int64_t j = b.U[size_t(c + e)];
       for (int q = 0; q < R; ++q) b.cost[size_t(q) * M + size_t(c + e)] = j == rows[q] ? 0.0 : dist[e][q];
-      b.wc[size_t(c + e)] = s.w[j];
-      b.iwc[size_t(c + e)] = s.inv_w[j];
+      b.wc[size_t(c + e)] = s.wr[j];
+      b.iwc[size_t(c + e)] = s.inv_wr[j];
     }
   }
   for (int q = 0; q < R; ++q) {
@@ -433,8 +451,8 @@ __attribute__((noinline)) void block_weights(const Screen& s, const T* G, int64_
         b.one[size_t(j)] = dj[0][0];
       }
       b.one[size_t(i)] = 0.0;
-      cq = b.one.data(), wq = s.w, nq = m, cols = nullptr;
-      tau = row_level<true>(cq, wq, s.inv_w, nq, b.Ac.data(), b.Aw.data(), b.Ai.data(), &active);
+      cq = b.one.data(), wq = s.wr, nq = m, cols = nullptr;
+      tau = row_level<true>(cq, wq, s.inv_wr, nq, b.Ac.data(), b.Aw.data(), b.Ai.data(), &active);
       counts[ri] = -1;
     }
     if (active > 0) {  // τ from the active columns alone, in index order (see above)
@@ -467,35 +485,44 @@ __attribute__((noinline)) void block_weights(const Screen& s, const T* G, int64_
 }  // namespace
 
 template <typename T>
-bool water_fill_screened(const T* G, int64_t m, int64_t d, const double* PT, int64_t r, const double* rho_lo,
-                         const double* rho_hi, const double* slack, double k_lo, double k_hi, double eta,
-                         const double* w, int64_t first, int64_t stop, bool f64_costs, int64_t max_candidates,
-                         double* out, double* levels, int64_t* counts, Faults& faults) {
+bool water_fill_screened(const T* G, int64_t m, int64_t d, const float* PT, int64_t r, const float* rho_lo,
+                         const float* rho_hi, const float* slack, double k_lo, double k_hi, double eta,
+                         double cost_scale, const double* w, int64_t first, int64_t stop, bool f64_costs,
+                         int64_t max_candidates, double* out, double* levels, int64_t* counts, Faults& faults) {
   std::vector<double> inv_w;
   if (!inverse_weights(w, m, inv_w, faults)) return true;
   const int64_t n = stop - first;
   if (n <= 0) return true;
-  double sum_w = 0.0;
-  for (int64_t j = 0; j < m; ++j) sum_w += w[j];
-  const Screen s{PT, r, m, rho_lo, rho_hi, slack, w, inv_w.data(), k_lo, k_hi, eta, sum_w};
+  // the weights in the bounds' units; the coefficients in float32, each moved toward safety by a
+  // margin over the rounding of the float32 arithmetic of the bounds ((r + 16)·2^-23 relatively:
+  // A's r squares and sums, the products and sums after it)
+  std::vector<double> wb(static_cast<size_t>(m)), inv_wb(static_cast<size_t>(m));
+  for (int64_t j = 0; j < m; ++j) wb[size_t(j)] = w[j] / cost_scale, inv_wb[size_t(j)] = inv_w[size_t(j)] * cost_scale;
+  const double margin = double(r + 16) * 0x1p-23;
+  auto down = [](double x) { const float f = float(x); return double(f) <= x ? f : std::nextafter(f, -INFINITY); };
+  auto up = [](double x) { const float f = float(x); return double(f) >= x ? f : std::nextafter(f, INFINITY); };
+  const Screen s{PT, r, m, rho_lo, rho_hi, slack, wb.data(), inv_wb.data(), w, inv_w.data(), down(k_lo * (1.0 - margin)),
+                 up(k_hi * (1.0 + margin)), down((1.0 - eta) * (1.0 - margin)), up((1.0 + eta) * (1.0 + margin))};
   const int64_t words = (m + 63) / 64;
   const size_t M = static_cast<size_t>(m);
   std::vector<uint64_t> cand(static_cast<size_t>(n * words));  // [n][words]: the rows' candidates
   std::vector<double> tau_up(static_cast<size_t>(n));
-  std::vector<int64_t> near(static_cast<size_t>(n * kNeighbours), -1);  // [n][kNeighbours], nearest first
+  std::vector<int64_t> near(static_cast<size_t>(n * kNeighbours), -1);  // [n][kNeighbours]
   const bool parallel = n * m > (1 << 15);
 
-  // A. bounds, upper levels, candidates and nearest candidates, kBoundRows rows at a time
+  // A. bounds, upper levels, candidates and a few of them, kBoundRows rows at a time
 #pragma omp parallel if (parallel)
   {
-    std::vector<double> lb(kBoundRows * M), ub(kBoundRows * M), Ac(M), Aw(M);
+    std::vector<float> lb(kBoundRows * M), ub(kBoundRows * M);
+    std::vector<double> Sc(M + 1), Sw(M + 1), Ac(M + 1), Aw(M + 1);
     std::vector<int64_t> idx(M);
 #pragma omp for schedule(dynamic, 2)
     for (int64_t b0 = first; b0 < stop; b0 += kBoundRows) {
       const int R = int(std::min<int64_t>(kBoundRows, stop - b0));
       auto run = [&](auto rows) {
-        screen_rows<decltype(rows)::value>(s, b0, first, words, lb.data(), ub.data(), Ac.data(), Aw.data(),
-                                           idx.data(), tau_up.data(), cand.data(), near.data(), counts);
+        screen_rows<decltype(rows)::value>(s, cost_scale, b0, first, words, lb.data(), ub.data(), Sc.data(),
+                                           Sw.data(), Ac.data(), Aw.data(), idx.data(), tau_up.data(), cand.data(),
+                                           near.data(), counts);
       };
       switch (R) {
         case 4: run(std::integral_constant<int, 4>{}); break;
@@ -505,10 +532,10 @@ bool water_fill_screened(const T* G, int64_t m, int64_t d, const double* PT, int
       }
     }
   }
-
   int64_t total = 0;
   for (int64_t q = 0; q < n; ++q) total += counts[q];
   if (total > max_candidates) return false;  // a screen this loose: the caller's other method
+
   // B. the blocks
   std::vector<int64_t> order, start;
   form_blocks(first, stop, near.data(), order, start);
@@ -546,11 +573,11 @@ bool water_fill_screened(const T* G, int64_t m, int64_t d, const double* PT, int
   return true;
 }
 
-template bool water_fill_screened<float>(const float*, int64_t, int64_t, const double*, int64_t, const double*,
-                                         const double*, const double*, double, double, double, const double*, int64_t,
-                                         int64_t, bool, int64_t, double*, double*, int64_t*, Faults&);
-template bool water_fill_screened<double>(const double*, int64_t, int64_t, const double*, int64_t, const double*,
-                                          const double*, const double*, double, double, double, const double*,
+template bool water_fill_screened<float>(const float*, int64_t, int64_t, const float*, int64_t, const float*,
+                                         const float*, const float*, double, double, double, double, const double*,
+                                         int64_t, int64_t, bool, int64_t, double*, double*, int64_t*, Faults&);
+template bool water_fill_screened<double>(const double*, int64_t, int64_t, const float*, int64_t, const float*,
+                                          const float*, const float*, double, double, double, double, const double*,
                                           int64_t, int64_t, bool, int64_t, double*, double*, int64_t*, Faults&);
 
 PFLCORE_LEVEL_END

@@ -355,9 +355,6 @@ def _screened_weights(G: torch.Tensor, sizes: torch.Tensor, lam_alpha: float, ro
         patterns, group = _patterns_of_keys(keys, k)
     else:
         patterns, group = _row_patterns(_screen_need(sq_s, mu_sq, t, labels, sizes, lam, d, unit, first, stop))
-    # every row of out belongs to one group, whose kernel call clears it (fill="row", in the worker
-    # threads) before writing its weights: no zero-filled [r, m] buffer first (~1 ms at m = 2,000)
-    out = torch.empty(stop - first, m, dtype=torch.float64, device=G.device)
     patterns, group = _merged_patterns(patterns, group, count)
     w = sizes.to(device=G.device, dtype=torch.float64) / (2.0 * lam)
     adapter = backend.select("water_fill_gram", None, w)
@@ -373,6 +370,11 @@ def _screened_weights(G: torch.Tensor, sizes: torch.Tensor, lam_alpha: float, ro
             alpha = _perm_principal.weights(G, sizes, lam, first, stop, f64_costs, core)
             if alpha is not None:
                 return alpha
+    # every row of out belongs to one group, whose kernel call clears it (fill="row", in the worker
+    # threads) before writing its weights: no zero-filled [r, m] buffer first (~1 ms at m = 2,000).
+    # (Allocated after the choice of screen: a [r, m] allocated and left unused made the pair
+    # screen's own output come from fresh pages, ~12 ms of page faults at m = 2,000.)
+    out = torch.empty(stop - first, m, dtype=torch.float64, device=G.device)
 
     def solve(r_idx: torch.Tensor, cols: torch.Tensor) -> None:
         gi = r_idx + first

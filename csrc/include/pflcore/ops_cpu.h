@@ -232,15 +232,17 @@ void water_fill_gram(const T* gram /*[r, k]*/, const double* sq_r /*[r]*/, const
 // PERM's weights of rows first..stop of the costs c_ij = ‖g_i − g_j‖² (the differences of the rows
 // of G in float64, or in float32 for float32 G unless f64_costs), computing only the costs the
 // caller's bounds cannot rule out (perm.py's principal screen; the bounds' formulas in
-// csrc/cpu/water_fill_screened.cpp). Every output row is written whole; counts[i − first]: the
+// csrc/cpu/water_fill_screened.cpp). PT, rho_lo, rho_hi, slack: float32, scaled (coordinates by
+// 2^-k, slacks and costs by cost_scale = 2^-2k). Every output row is written whole; counts[i − first]: the
 // row's candidates (−1: bounds that failed, the row computed from every column). Returns false,
 // having written only counts, where the rows' candidates add up to more than max_candidates.
 template <typename T>
-bool water_fill_screened(const T* G /*[m, d]*/, int64_t m, int64_t d, const double* PT /*[r, m]*/, int64_t r,
-                         const double* rho_lo /*[m]*/, const double* rho_hi /*[m]*/, const double* slack /*[m]*/,
-                         double k_lo, double k_hi, double eta, const double* w /*[m]*/, int64_t first, int64_t stop,
-                         bool f64_costs, int64_t max_candidates, double* out /*[stop − first, m]*/,
-                         double* levels /*[stop − first]*/, int64_t* counts /*[stop − first]*/, Faults& faults);
+bool water_fill_screened(const T* G /*[m, d]*/, int64_t m, int64_t d, const float* PT /*[r, m]*/, int64_t r,
+                         const float* rho_lo /*[m]*/, const float* rho_hi /*[m]*/, const float* slack /*[m]*/,
+                         double k_lo, double k_hi, double eta, double cost_scale, const double* w /*[m]*/,
+                         int64_t first, int64_t stop, bool f64_costs, int64_t max_candidates,
+                         double* out /*[stop − first, m]*/, double* levels /*[stop − first]*/,
+                         int64_t* counts /*[stop − first]*/, Faults& faults);
 
 // Checks each client index and its offsets (as the GLM kernels do) before drawing its rows.
 void sample_batches(const int64_t* offsets /*[m + 1]*/, int64_t m, int64_t N, const int64_t* clients /*[R] or null*/,
