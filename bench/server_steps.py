@@ -30,9 +30,10 @@
           its solve and the pass's excess over one local step -- the same target, ≤ 0.5× (a).
       (d) α at a later w̃, after 20 FedAvg rounds of all clients: the gradients have shrunk ~14x,
           each client's weights sit on its nearest ~5% with water levels far below the groups'
-          spread, and the screen leaves groups of most columns (what a two-loop α after a longer
-          warm-up, or a single-loop run's later α, costs; the warm-up of (a) is one round) -- the
-          same target.
+          spread, the cluster screen would leave groups of most columns, and the pair screen in
+          16 principal directions (``perm._perm_principal``) computes the costs of ~165 pairs a
+          row (what a two-loop α after a longer warm-up, or a single-loop run's later α, costs;
+          the warm-up of (a) is one round) -- the same target.
 
     Precision: the gradients are float32, so the screened solve multiplies in float32 (rows shifted
     by their group's mean; ``screened_weights``' ``products``). Its α is compared with the dense
@@ -196,8 +197,14 @@ def bench_late_alpha(fed, model, lam_alpha, repeats):
         state = alg.round(state, ctx, t)  # the warm-up: FedAvg rounds (α not yet computed)
     w = state.w.clone()
     alpha = perm_module.mixing_weights(model, w, fed.train, lam_alpha)
+    # agreement first: against the dense float64 water-filling of all m² costs at that w̃ (the pair
+    # screen's float32 differences: each cost within ~1.1e-6 relatively)
+    G = ops.gradients(model, w, fed.train)
+    dense = perm_module.water_filling(perm_module.pairwise_sqdist(G), fed.train.sizes, lam_alpha)
+    agreement = float((alpha - dense).abs().max())
+    assert agreement <= 1e-6, agreement
     late_s = best_of(lambda: perm_module.mixing_weights(model, w, fed.train, lam_alpha), repeats)
-    return {"late_rounds": LATE_ROUNDS, "late_alpha_s": late_s,
+    return {"late_rounds": LATE_ROUNDS, "late_alpha_s": late_s, "late_vs_dense_max_abs_diff": agreement,
             "late_gradient_norm": float(ops.gradients(model, w, fed.train).norm(dim=1).mean()),
             "late_mean_active_weights_per_client": float((alpha > 0).sum(1).double().mean())}
 
@@ -225,7 +232,8 @@ def main():
           f"{pe['single_loop_round_without_alpha_s'] * 1e3:.1f} without: α adds {pe['single_loop_alpha_s'] * 1e3:.1f} ms,"
           f" ratio {pe['single_loop_alpha_ratio']:.2f} (target <= 0.5): {'PASS' if pe['single_loop_pass'] else 'FAIL'}")
     print(f"  after {pe['late_rounds']} FedAvg rounds (gradients' mean norm {pe['late_gradient_norm']:.2f}, "
-          f"{pe['late_mean_active_weights_per_client']:.1f} nonzero weights per client): α {pe['late_alpha_s'] * 1e3:.1f} ms, "
+          f"{pe['late_mean_active_weights_per_client']:.1f} nonzero weights per client, max|Δα| vs dense float64 "
+          f"{pe['late_vs_dense_max_abs_diff']:.1e}): α {pe['late_alpha_s'] * 1e3:.1f} ms, "
           f"ratio {pe['late_alpha_ratio']:.2f} (target <= 0.5): {'PASS' if pe['late_alpha_ratio'] <= 0.5 else 'FAIL'}")
     print(f"  the screened solve with float64 products: {pe['screened_weights_float64_products_s'] * 1e3:.1f} ms")
     print(f"  the dense solve: distances {pe['pairwise_sqdist_s'] * 1e3:.1f} + water-filling "

@@ -193,7 +193,7 @@ struct Screen {
   const float* PT;  // [r, m]
   int64_t r, m;
   const float *rho_lo, *rho_hi, *slack;  // [m]
-  const double *w, *inv_w;               // [m]: the weights in the bounds' units (w / cost_scale), inverses
+  const double* w;                       // [m]: the weights in the bounds' units (w / cost_scale)
   const double *wr, *inv_wr;             // [m]: the weights and their inverses (phase C)
   float k_lo, k_hi, e_lo, e_hi;          // the coefficients, rounded toward safety (see water_fill_screened)
 };
@@ -324,15 +324,12 @@ __attribute__((noinline)) void screen_rows(const Screen& s, double cost_scale, i
     u[i] = 0.0f;  // the row's own client: cost exactly 0
     l[i] = -1.0f;
     // the sample's level (its own column first), then every column below it
+    // (from the own column's level, 1/w_i at cost 0: the level of a subset of the sample)
     int64_t ns = 0;
-    double tau = 1.0 / s.w[i];  // the own column's level (cost 0)
     Sc[ns] = 0.0, Sw[ns] = s.w[i], ++ns;
-    for (int64_t j = i % kSampleStride; j < m; j += kSampleStride) {
-      if (j == i) continue;
-      Sc[ns] = u[j], Sw[ns] = s.w[j], ++ns;
-      tau = std::min(tau, double(u[j]) + s.inv_w[j]);
-    }
-    tau = row_level_from<false>(Sc, Sw, ns, tau, Ac, Aw, nullptr, nullptr);
+    for (int64_t j = i % kSampleStride; j < m; j += kSampleStride)
+      if (j != i) Sc[ns] = u[j], Sw[ns] = s.w[j], ++ns;
+    double tau = row_level_from<false>(Sc, Sw, ns, 1.0 / s.w[i], Ac, Aw, nullptr, nullptr);
     const int64_t n0 = below_f32(u, s.w, m, tau, Sc, Sw);
     const double up = row_level_from<false>(Sc, Sw, n0, tau, Ac, Aw, nullptr, nullptr) * (1.0 + 1e-9);
     tau_up[row] = up / cost_scale;
@@ -496,12 +493,12 @@ bool water_fill_screened(const T* G, int64_t m, int64_t d, const float* PT, int6
   // the weights in the bounds' units; the coefficients in float32, each moved toward safety by a
   // margin over the rounding of the float32 arithmetic of the bounds ((r + 16)·2^-23 relatively:
   // A's r squares and sums, the products and sums after it)
-  std::vector<double> wb(static_cast<size_t>(m)), inv_wb(static_cast<size_t>(m));
-  for (int64_t j = 0; j < m; ++j) wb[size_t(j)] = w[j] / cost_scale, inv_wb[size_t(j)] = inv_w[size_t(j)] * cost_scale;
+  std::vector<double> wb(static_cast<size_t>(m));
+  for (int64_t j = 0; j < m; ++j) wb[size_t(j)] = w[j] / cost_scale;
   const double margin = double(r + 16) * 0x1p-23;
   auto down = [](double x) { const float f = float(x); return double(f) <= x ? f : std::nextafter(f, -INFINITY); };
   auto up = [](double x) { const float f = float(x); return double(f) >= x ? f : std::nextafter(f, INFINITY); };
-  const Screen s{PT, r, m, rho_lo, rho_hi, slack, wb.data(), inv_wb.data(), w, inv_w.data(), down(k_lo * (1.0 - margin)),
+  const Screen s{PT, r, m, rho_lo, rho_hi, slack, wb.data(), w, inv_w.data(), down(k_lo * (1.0 - margin)),
                  up(k_hi * (1.0 + margin)), down((1.0 - eta) * (1.0 - margin)), up((1.0 + eta) * (1.0 + margin))};
   const int64_t words = (m + 63) / 64;
   const size_t M = static_cast<size_t>(m);
