@@ -16,7 +16,7 @@ are computed (~140 a row there, against 2,000); the rest of the row is 0. The na
 
 Rigour: V comes from a randomized range finder (one power iteration) in the gradients' dtype and
 is orthonormal only to rounding; p and ρ are rounded too. The kernel's bounds carry every such
-error (``_bounds``: Δ = VᵀV − I, the products' γ_d bound, the shift's rounding), so they hold for
+error (``bounds``: Δ = VᵀV − I, the products' γ_d bound, the shift's rounding), so they hold for
 the costs exactly; a kernel row whose level would exceed its bound (never) is computed from every
 column. The basis decides only which costs are computed, not their values: the weights do not
 depend on V's bits.
