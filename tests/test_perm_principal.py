@@ -130,6 +130,16 @@ def test_principal_weights_bitwise_at_any_thread_count():
         assert torch.equal(results[t][0], results[1][0]) and torch.equal(results[t][1], results[1][1])
 
 
+def test_principal_weights_of_a_ranks_rows_are_the_full_calls_bits():
+    """A sharded rank computes the rows of its clients only (``rows``): its blocks of rows differ
+    from the one-process call's, but a cost's bits do not depend on its block, so its rows are
+    bitwise the one-process rows (DESIGN.md: regardless of sharding)."""
+    G, n = _low_rank_gradients(1100, 61, 8, 0.01, seed=4, dtype=torch.float32)
+    full = screened_weights(G, n, 80.0, screen="principal")
+    for a, b in ((0, 367), (367, 733), (733, 1100), (5, 6)):
+        assert torch.equal(screened_weights(G, n, 80.0, slice(a, b), screen="principal"), full[a:b])
+
+
 def test_loose_screen_declines_and_the_cluster_screen_answers():
     """Gradients with no low-dimensional structure (isotropic noise) and a λ_α large enough that
     most columns carry weight: the pair screen's candidates would be most columns, so it declines
