@@ -34,6 +34,9 @@
           16 principal directions (``perm._perm_principal``) computes the costs of ~165 pairs a
           row (what a two-loop α after a longer warm-up, or a single-loop run's later α, costs;
           the warm-up of (a) is one round) -- the same target.
+      (e) a whole single-loop run (α every 2 rounds, 30 rounds timed one by one): the median
+          round that recomputes α against the median other round, with the pair screen available
+          and with the cluster screen alone (what the screens do over a run's regimes).
 
     Precision: the gradients are float32, so the screened solve multiplies in float32 (rows shifted
     by their group's mean; ``screened_weights``' ``products``). Its α is compared with the dense
@@ -139,6 +142,7 @@ def bench_perm(m, repeats):
 
     single = bench_single_loop_alpha(fed, model, lam_alpha, alpha_every, repeats)
     late = bench_late_alpha(fed, model, lam_alpha, repeats)
+    run = bench_single_loop_run(fed, model, lam_alpha)
 
     def shuffle():  # (b)
         alg._shuffle(copy.deepcopy(state), ctx, 3)
@@ -153,7 +157,7 @@ def bench_perm(m, repeats):
             "shuffle_round_s": shuffle_s, "ratio_to_shuffle_round": alpha_s / shuffle_s,
             "alpha_every": alpha_every, "alpha_per_round_amortized_s": alpha_s / alpha_every,
             "mean_active_weights_per_client": active, **single,
-            "single_loop_alpha_ratio": single["single_loop_alpha_s"] / full_round_s, **late,
+            "single_loop_alpha_ratio": single["single_loop_alpha_s"] / full_round_s, **late, **run,
             "late_alpha_ratio": late["late_alpha_s"] / full_round_s,
             "single_loop_pass": single["single_loop_alpha_s"] <= 0.5 * full_round_s}
 
@@ -209,6 +213,46 @@ def bench_late_alpha(fed, model, lam_alpha, repeats):
             "late_mean_active_weights_per_client": float((alpha > 0).sum(1).double().mean())}
 
 
+RUN_ROUNDS = 30  # part (e)
+
+
+def bench_single_loop_run(fed, model, lam_alpha):
+    """(e) A whole single-loop run, α every 2 rounds, ``RUN_ROUNDS`` rounds timed one by one: the
+    median round that recomputes α against the median other round (rounds 3 on), with the pair
+    screen available (the default) and with the cluster screen alone, alternated twice (the
+    medians of each kind over both runs)."""
+    from pflcore.algorithms import _perm_principal
+    alg = A.PERM(warmup_rounds=1, lam_alpha=lam_alpha, lr=0.05, local_steps=5, single_loop=True, alpha_every=2)
+    ctx = A.Context(fed, model, torch.device("cpu"), seed=0)
+    kernel = _perm_principal.kernel
+    kinds = {"default": kernel, "clusters_only": lambda G: None}
+    rounds = {name: {True: [], False: []} for name in kinds}
+    totals = {name: [] for name in kinds}
+    try:
+        for _ in range(2):
+            for name, k in kinds.items():
+                _perm_principal.kernel = k
+                state, total = alg.init(ctx), 0.0
+                for t in range(1, RUN_ROUNDS + 1):
+                    refresh = t > 2 and state.shuffle_rounds % 2 == 0  # α recomputed in this round
+                    t0 = time.perf_counter()
+                    state = alg.round(state, ctx, t)
+                    dt = time.perf_counter() - t0
+                    total += dt
+                    if t > 2:
+                        rounds[name][refresh].append(dt)
+                totals[name].append(total)
+    finally:
+        _perm_principal.kernel = kernel
+    med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
+    out = {"run_rounds": RUN_ROUNDS}
+    for name in kinds:
+        out[f"run_{name}_alpha_round_s"] = med(rounds[name][True])
+        out[f"run_{name}_other_round_s"] = med(rounds[name][False])
+        out[f"run_{name}_total_s"] = min(totals[name])
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
@@ -231,6 +275,11 @@ def main():
           f"a round {pe['single_loop_round_with_alpha_s'] * 1e3:.1f} ms with α, "
           f"{pe['single_loop_round_without_alpha_s'] * 1e3:.1f} without: α adds {pe['single_loop_alpha_s'] * 1e3:.1f} ms,"
           f" ratio {pe['single_loop_alpha_ratio']:.2f} (target <= 0.5): {'PASS' if pe['single_loop_pass'] else 'FAIL'}")
+    print(f"  a single-loop run, α every 2 rounds, {pe['run_rounds']} rounds: rounds recomputing α "
+          f"{pe['run_default_alpha_round_s'] * 1e3:.1f} ms (median) against {pe['run_default_other_round_s'] * 1e3:.1f} "
+          f"for the others, the run {pe['run_default_total_s']:.2f} s; with the cluster screen alone "
+          f"{pe['run_clusters_only_alpha_round_s'] * 1e3:.1f} against {pe['run_clusters_only_other_round_s'] * 1e3:.1f} ms, "
+          f"{pe['run_clusters_only_total_s']:.2f} s")
     print(f"  after {pe['late_rounds']} FedAvg rounds (gradients' mean norm {pe['late_gradient_norm']:.2f}, "
           f"{pe['late_mean_active_weights_per_client']:.1f} nonzero weights per client, max|Δα| vs dense float64 "
           f"{pe['late_vs_dense_max_abs_diff']:.1e}): α {pe['late_alpha_s'] * 1e3:.1f} ms, "
