@@ -233,19 +233,19 @@ def screened_weights(G: torch.Tensor, sizes: torch.Tensor, lam_alpha: float, row
     """``water_filling(pairwise_sqdist(G, rows), sizes, lam_alpha)`` (to float rounding), without
     forming the distances of pairs that cannot carry weight.
 
-    Two screens. On the CPU with the native module, first the pair screen of
-    ``_perm_principal``: every pair's cost bounded from the gradients' coordinates in 16
-    principal directions and their residuals' norms, the costs computed only for the pairs whose
-    lower bound is below the row's level (one kernel call, csrc/cpu/water_fill_screened.cpp); its
-    costs are float64 differences of the gradients, or float32 differences for float32 gradients
-    (``products`` None or float32: each cost within ~1.1e-6 of its value, relatively). The
-    cluster screen below is planned first, and the pair screen used where that plan would compute
-    more than ``_perm_principal.CLUSTER_PAIRS_SHARE`` of the pairs (once FedAvg has run a while,
-    the contexts stop being separable to the cluster bounds) and the pair screen is tight (its
-    candidates at most a quarter of the columns); elsewhere (GPU, the reference backend, float64
-    gradients with ``products=torch.float32``), the cluster screen. ``screen``: ``"auto"`` (that
-    choice), ``"principal"`` (the pair screen however loose, where the kernel serves) or
-    ``"clusters"``.
+    Two screens. The cluster screen below is planned first; where its plan would compute more
+    than ``_perm_principal.CLUSTER_PAIRS_SHARE`` of the pairs (once FedAvg has run a while, the
+    contexts stop being separable to its bounds), the pair screen of ``_perm_principal`` answers
+    instead, on the CPU with the native module: every pair's cost bounded from the gradients'
+    coordinates in 16 principal directions and their residuals' norms, the costs computed only for
+    the pairs whose lower bound is below the row's level (one kernel call,
+    csrc/cpu/water_fill_screened.cpp), as float64 differences of the gradients, or float32
+    differences for float32 gradients (``products`` None or float32: each cost within ~1.1e-6 of
+    its value, relatively). It declines where its candidates average over a quarter of the
+    columns (gradients far from any low-dimensional subspace), and the cluster screen's plan is
+    carried out. GPU tensors, the reference backend and float64 gradients with
+    ``products=torch.float32`` keep the cluster screen. ``screen``: ``"auto"`` (that choice),
+    ``"principal"`` (the pair screen however loose, where the kernel serves) or ``"clusters"``.
 
     The cluster screen. Where the clients' gradients form groups (the setting PERM is for), client i's weights sit
     on its own group and the m × m × d Gram matrix is mostly spent on zeros. The rows of G are
