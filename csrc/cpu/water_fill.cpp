@@ -84,21 +84,16 @@ void water_fill_gram(const T* gram, const double* sq_r, const double* sq_c, cons
       int64_t active = -1;
       const double tau = row_level<true>(ci, w, inv_w.data(), k, Ac.data(), Aw.data(), Ai.data(), &active);
       double* o = out + out_rows[i] * out_stride;
-      // a whole row to write (fill 2) that outgrows the caches: composed in the thread's zeroed
-      // scratch row, streamed out, and the scratch's written entries zeroed again
-      double* dst = streamed ? row.data() : o;
-      if (fill == 2 && !streamed) std::fill(o, o + out_stride, 0.0);  // the whole row cleared here, by this row's thread
-      if (fill != 0 && active >= 0) {  // the positive weights only, w_j·(τ − c_j) as below (the same bits)
-        for (int64_t q = 0; q < active; ++q) dst[cols[Ai[size_t(q)]]] = Aw[size_t(q)] * (tau - Ac[size_t(q)]);
-      } else {
-        for (int64_t j = 0; j < k; ++j) dst[cols[j]] = w[j] * std::max(0.0, tau - ci[j]);  // (no branch on the data)
-      }
-      if (streamed) {
-        stream_row(row.data(), o, out_stride);
+      if (fill == 2) {  // the whole row, by this row's thread (the positive weights where the set is exact)
         if (active >= 0)
-          for (int64_t q = 0; q < active; ++q) row[size_t(cols[Ai[size_t(q)]])] = 0.0;
+          write_whole_row(o, out_stride, row.data(), active, Ac.data(), Aw.data(), tau,
+                          [&](int64_t q) { return cols[Ai[size_t(q)]]; });
         else
-          for (int64_t j = 0; j < k; ++j) row[size_t(cols[j])] = 0.0;
+          write_whole_row(o, out_stride, row.data(), k, ci, w, tau, [&](int64_t j) { return cols[j]; });
+      } else if (fill == 1 && active >= 0) {  // the positive weights only, w_j·(τ − c_j) as below (the same bits)
+        for (int64_t q = 0; q < active; ++q) o[cols[Ai[size_t(q)]]] = Aw[size_t(q)] * (tau - Ac[size_t(q)]);
+      } else {
+        for (int64_t j = 0; j < k; ++j) o[cols[j]] = w[j] * std::max(0.0, tau - ci[j]);  // (no branch on the data)
       }
       levels[i] = tau;
     }

@@ -399,7 +399,7 @@ inline void block_distances(BlockScratch& b, bool low, const T* const* y, int64_
 template <int R, typename T>
 __attribute__((noinline)) void block_weights(const Screen& s, const T* G, int64_t d, const int64_t* rows,
                                              int64_t first, int64_t words, const uint64_t* cand,
-                                             const double* tau_up, bool low, bool streamed, BlockScratch& b,
+                                             const double* tau_up, bool low, BlockScratch& b,
                                              double* out, double* levels, int64_t* counts) {
   const int64_t m = s.m;
   const size_t M = size_t(m);
@@ -459,22 +459,12 @@ __attribute__((noinline)) void block_weights(const Screen& s, const T* G, int64_
       tau = (1.0 + scw) / sw;
     }
     double* o = out + ri * m;
-    double* dst = streamed ? b.row.data() : o;
-    if (!streamed) std::fill(o, o + m, 0.0);
     auto col = [&](int64_t c) { return cols ? cols[c] : c; };
-    if (active > 0) {
-      for (int64_t a = 0; a < active; ++a)
-        dst[col(b.Ai[size_t(a)])] = b.Aw[size_t(a)] * std::max(0.0, tau - b.Ac[size_t(a)]);
-    } else {
-      for (int64_t c = 0; c < nq; ++c) dst[col(c)] = wq[c] * std::max(0.0, tau - cq[c]);
-    }
-    if (streamed) {
-      stream_row(b.row.data(), o, m);
-      if (active > 0)
-        for (int64_t a = 0; a < active; ++a) b.row[size_t(col(b.Ai[size_t(a)]))] = 0.0;
-      else
-        for (int64_t c = 0; c < nq; ++c) b.row[size_t(col(c))] = 0.0;
-    }
+    if (active > 0)
+      write_whole_row(o, m, b.row.data(), active, b.Ac.data(), b.Aw.data(), tau,
+                      [&](int64_t a) { return col(b.Ai[size_t(a)]); });
+    else
+      write_whole_row(o, m, b.row.data(), nq, cq, wq, tau, col);
     levels[ri] = tau;
   }
 }
@@ -549,8 +539,8 @@ bool water_fill_screened(const T* G, int64_t m, int64_t d, const float* PT, int6
       const int64_t* rows = order.data() + start[size_t(blk)];
       const int R = int(start[size_t(blk) + 1] - start[size_t(blk)]);
       auto run = [&](auto nr) {
-        block_weights<decltype(nr)::value>(s, G, d, rows, first, words, cand.data(), tau_up.data(), low, streamed, b,
-                                           out, levels, counts);
+        block_weights<decltype(nr)::value>(s, G, d, rows, first, words, cand.data(), tau_up.data(), low, b, out,
+                                           levels, counts);
       };
       switch (R) {
         case 8: run(std::integral_constant<int, 8>{}); break;

@@ -169,6 +169,23 @@ inline void stream_row(const double* src, double* dst, int64_t n) {
   for (; j < n; ++j) dst[j] = src[j];
 }
 
+// One output row o [m] written whole: w_a·max(0, τ − c_a) at column at(a) for a < n, 0 elsewhere.
+// A row of kStreamedRow entries and more is composed in `scratch` (the thread's zeroed row of m
+// entries, zeroed again after) and streamed out, so that its lines are neither read first nor
+// left in the caches; a shorter one is cleared and written in place (`scratch` unused).
+template <typename At>
+inline void write_whole_row(double* o, int64_t m, double* scratch, int64_t n, const double* c, const double* w,
+                            double tau, At at) {
+  const bool streamed = m >= kStreamedRow;
+  double* dst = streamed ? scratch : o;
+  if (!streamed) std::fill(o, o + m, 0.0);
+  for (int64_t a = 0; a < n; ++a) dst[at(a)] = w[a] * std::max(0.0, tau - c[a]);  // (no branch on the data)
+  if (streamed) {
+    stream_row(scratch, o, m);
+    for (int64_t a = 0; a < n; ++a) scratch[at(a)] = 0.0;
+  }
+}
+
 }  // namespace
 
 PFLCORE_LEVEL_END

@@ -44,10 +44,8 @@ ETA = 1e-3  # the bounds' relative slack: |‖a‖ − ‖ã‖| ≤ e becomes a
 def kernel(G: torch.Tensor):
     """The native module where it has the screen's kernel for ``G`` (CPU, float32/float64,
     contiguous, not forced onto the reference backend), else None."""
-    from pflcore.algorithms.perm import _native_with  # (perm imports this module)
-    if G.dtype not in (torch.float32, torch.float64) or not G.is_contiguous():
-        return None
-    return _native_with(G, "water_fill_screened")
+    from pflcore.algorithms.perm import _screen_kernel  # (perm imports this module)
+    return _screen_kernel(G, "water_fill_screened")
 
 
 def _basis(S: torch.Tensor, r: int) -> torch.Tensor:
@@ -150,7 +148,6 @@ def weights(G: torch.Tensor, sizes: torch.Tensor, lam: float, first: int, stop: 
     levels = torch.empty(n, dtype=torch.float64)
     counts = torch.empty(n, dtype=torch.int64)
     G = G.contiguous()
-    w = w.contiguous()
     done = core.water_fill_screened(G.dtype is torch.float64, G.data_ptr(), m, d, b.PT.data_ptr(), b.PT.shape[0],
                                     b.rho_lo.data_ptr(), b.rho_hi.data_ptr(), b.slack.data_ptr(), b.k_lo, b.k_hi,
                                     b.eta, b.cost_scale, w.data_ptr(), first, stop, bool(f64_costs), min(int(min(max_share, 2.0) * n * m), 2 ** 62),

@@ -175,12 +175,12 @@ def _native_with(G: torch.Tensor, kernel: str):
     return core if core is not None and hasattr(core, kernel) else None
 
 
-def _screen_kernel(G: torch.Tensor):
-    """The native module where it computes the screen's statistics for ``G`` (CPU, float32/float64,
-    contiguous, not forced onto the reference backend), else None."""
+def _screen_kernel(G: torch.Tensor, kernel: str = "perm_screen_stats"):
+    """The native module where it has ``kernel`` for ``G`` (CPU, float32/float64, contiguous, not
+    forced onto the reference backend; by default the screen's statistics), else None."""
     if G.dtype not in (torch.float32, torch.float64) or not G.is_contiguous():
         return None
-    return _native_with(G, "perm_screen_stats")
+    return _native_with(G, kernel)
 
 
 def _screen_stats_native(G: torch.Tensor, omega: torch.Tensor, k: int):
