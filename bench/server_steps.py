@@ -143,6 +143,8 @@ def bench_perm(m, repeats):
     single = bench_single_loop_alpha(fed, model, lam_alpha, alpha_every, repeats)
     late = bench_late_alpha(fed, model, lam_alpha, repeats)
     run = bench_single_loop_run(fed, model, lam_alpha)
+    pooled = bench_pooled_alpha(fed, model, lam_alpha, {"early": state.w, "late": late.pop("late_w")},
+                                all_models_round, clone_s, repeats)
 
     def shuffle():  # (b)
         alg._shuffle(copy.deepcopy(state), ctx, 3)
@@ -158,7 +160,7 @@ def bench_perm(m, repeats):
             "alpha_every": alpha_every, "alpha_per_round_amortized_s": alpha_s / alpha_every,
             "mean_active_weights_per_client": active, **single,
             "single_loop_alpha_ratio": single["single_loop_alpha_s"] / full_round_s, **late, **run,
-            "late_alpha_ratio": late["late_alpha_s"] / full_round_s,
+            "late_alpha_ratio": late["late_alpha_s"] / full_round_s, "pooled": pooled,
             "single_loop_pass": single["single_loop_alpha_s"] <= 0.5 * full_round_s}
 
 
@@ -208,9 +210,71 @@ def bench_late_alpha(fed, model, lam_alpha, repeats):
     agreement = float((alpha - dense).abs().max())
     assert agreement <= 1e-6, agreement
     late_s = best_of(lambda: perm_module.mixing_weights(model, w, fed.train, lam_alpha), repeats)
-    return {"late_rounds": LATE_ROUNDS, "late_alpha_s": late_s, "late_vs_dense_max_abs_diff": agreement,
+    return {"late_w": w, "late_rounds": LATE_ROUNDS, "late_alpha_s": late_s, "late_vs_dense_max_abs_diff": agreement,
             "late_gradient_norm": float(ops.gradients(model, w, fed.train).norm(dim=1).mean()),
             "late_mean_active_weights_per_client": float((alpha > 0).sum(1).double().mean())}
+
+
+POOLS = (100, 200)  # part (f): pool sizes s at m = 2,000 (m/20, m/10)
+
+
+def bench_pooled_alpha(fed, model, lam_alpha, ws, all_models_round, clone_s, repeats):
+    """(f) ``PERM(alpha_pool=s)``'s α (the gradients' pass and the pooled solve,
+    ``perm.weights_from_gradients(..., pool=)``) at the w̃ of (a) and of (d), alternated with the
+    round (a) in this process. Agreement first: 64 rows against the definition
+    (``_perm_pool.weights_ref``: each row's float64 water-filling over its pool and own client)."""
+    from pflcore.algorithms import _perm_pool
+    m, sizes = fed.train.num_clients, fed.train.sizes
+    out = []
+    for where, w in ws.items():
+        for s in POOLS:
+            pool = _perm_pool.draw(m, s, seed=0, refresh=0)
+            alpha = perm_module.weights_from_gradients(ops.gradients(model, w, fed.train), sizes, lam_alpha, pool=pool)
+            rows = torch.arange(0, m, max(1, m // 64))
+            G = ops.gradients(model, w, fed.train)
+            want = _perm_pool.weights_ref(G, sizes, pool, lam_alpha, rows)
+            agreement = float((_perm_pool.dense(alpha[rows], pool, rows, m) - want).abs().max())
+            assert agreement <= 1e-9, agreement  # float64 products: to rounding
+
+            def pooled():
+                perm_module.weights_from_gradients(ops.gradients(model, w, fed.train), sizes, lam_alpha, pool=pool)
+            alpha_runs, round_runs = [], []
+            for _ in range(repeats):
+                alpha_runs.append(best_of(pooled, 1))
+                round_runs.append(best_of(all_models_round, 1))
+            round_s = max(min(round_runs) - clone_s, 1e-9)
+            out.append({"w": where, "pool": s, "alpha_s": min(alpha_runs), "round_s": round_s,
+                        "ratio": min(alpha_runs) / round_s, "vs_definition_max_abs_diff": agreement,
+                        "mean_active_weights_per_client": float((alpha > 0).sum(1).double().mean())})
+    return out
+
+
+ACCURACY_M, ACCURACY_POOLS, ACCURACY_SEEDS = 200, (10, 20, 50), (0, 1, 2)
+
+
+def bench_pool_accuracy():
+    """(g) What the pool costs in accuracy: PERM two-loop (20 warm-up rounds) and single-loop (α every
+    10 rounds), 2 epochs of model shuffling (2m rounds) at m = 200 (the same generator, 4 contexts),
+    exact α against pools of 10, 20 and 50 clients; personalized test accuracy (mean over clients,
+    and its 10th percentile) at the end, mean over 3 seeds of the run (same data)."""
+    import pflcore
+    fed = data.contexts(num_clients=ACCURACY_M, num_contexts=4, dim=60, num_classes=10, sizes=(50, 250), seed=1)
+    model = models.Softmax(60, 10)
+    rows = []
+    for single in (False, True):
+        for pool in (None,) + ACCURACY_POOLS:
+            acc, p10 = [], []
+            for seed in ACCURACY_SEEDS:
+                alg = A.PERM(warmup_rounds=1 if single else 20, lam_alpha=100.0, lr=0.05, local_steps=5,
+                             single_loop=single, alpha_every=10, alpha_pool=pool)
+                rounds = (1 if single else 20) + 2 * ACCURACY_M
+                last = pflcore.run(alg, fed, model, rounds=rounds, eval_every=rounds, seed=seed, progress=False,
+                                   train_loss="none").history[-1]
+                acc.append(last["personalized_acc"])
+                p10.append(last["personalized_acc_p10"])
+            rows.append({"single_loop": single, "pool": pool, "personalized_acc": sum(acc) / len(acc),
+                         "personalized_acc_p10": sum(p10) / len(p10), "per_seed": acc})
+    return rows
 
 
 RUN_ROUNDS = 30  # part (e)
@@ -290,7 +354,20 @@ def main():
     print(f"  vs PERM's shuffling round, pairs with α = 0 skipped ({pe['mean_active_weights_per_client']:.1f} nonzero "
           f"weights per client): {pe['shuffle_round_s'] * 1e3:.1f} ms, ratio {pe['ratio_to_shuffle_round']:.1f}; α every "
           f"{pe['alpha_every']} rounds = {pe['alpha_per_round_amortized_s'] * 1e3:.1f} ms per round")
-    out = {"cgpfl_clustering": cg, "perm_mixing_weights": pe, "quick": args.quick, "repeats": args.repeats}
+    for row in pe["pooled"]:
+        print(f"  pooled α (alpha_pool = {row['pool']}, at the w̃ of {'(a)' if row['w'] == 'early' else '(d)'}; "
+              f"{row['mean_active_weights_per_client']:.1f} nonzero weights per client, max|Δα| vs its definition "
+              f"{row['vs_definition_max_abs_diff']:.1e}): {row['alpha_s'] * 1e3:.1f} ms against the round's "
+              f"{row['round_s'] * 1e3:.1f}: ratio {row['ratio']:.2f} (target <= 0.5): "
+              f"{'PASS' if row['ratio'] <= 0.5 else 'FAIL'}")
+    accuracy = None if args.quick else bench_pool_accuracy()
+    for row in accuracy or []:
+        print(f"  accuracy, m = {ACCURACY_M}, {'single-loop' if row['single_loop'] else 'two-loop'}, "
+              f"{'exact α' if row['pool'] is None else 'pool of %d' % row['pool']}: personalized "
+              f"{row['personalized_acc']:.3f} (10th percentile {row['personalized_acc_p10']:.3f}; seeds "
+              f"{', '.join('%.3f' % a for a in row['per_seed'])})")
+    out = {"cgpfl_clustering": cg, "perm_mixing_weights": pe, "pool_accuracy": accuracy, "quick": args.quick,
+           "repeats": args.repeats}
     write_json(args.out, out)
     print(f"wrote {args.out}")
 

@@ -651,12 +651,13 @@ PYBIND11_MODULE(_core, m) {
     cpu::perm_screen_need(m, k, d, unit, as<const int64_t>(labels), as<const double>(sq), as<const double>(mu_sq),
                           as<const double>(t), as<const double>(sizes), lam, first, stop, as<int64_t>(keys));
   }, "PERM's screen: the clusters each row may need, as bit keys (csrc/cpu/perm_bounds.cpp)");
-  m.def("water_fill", [](ptr_t costs, int64_t r, int64_t k, ptr_t w, ptr_t alpha) {
+  m.def("water_fill", [](ptr_t costs, int64_t r, int64_t k, ptr_t w, ptr_t w_own, ptr_t alpha) {
     require(r >= 0 && k >= 1 && costs && w && alpha, "water_fill", "expected r >= 0, k >= 1 and non-null buffers");
     Faults faults;
     {
       py::gil_scoped_release nogil;
-      cpu::water_fill(as<const double>(costs), r, k, as<const double>(w), as<double>(alpha), faults);
+      cpu::water_fill(as<const double>(costs), r, k, as<const double>(w), as<const double>(w_own), as<double>(alpha),
+                      faults);
     }
     raise_faults(faults);
   });

@@ -71,6 +71,11 @@ def case(name: str):
         model = models.Logistic(6, fit_intercept=False)
         return (A.PERM(warmup_rounds=1, lam_alpha=100.0, lr=0.05, local_steps=2, single_loop=True, alpha_every=2),
                 fed, model, {"clients_per_round": 6})
+    if name == "perm_pooled":  # α over a pool of 4 clients (gathered from both ranks) and the own client
+        fed = data.two_groups(num_clients=10, samples_per_client=30, dim=6, seed=0)
+        model = models.Logistic(6, fit_intercept=False)
+        return (A.PERM(warmup_rounds=1, lam_alpha=100.0, lr=0.05, local_steps=2, single_loop=True, alpha_every=2,
+                       alpha_pool=4), fed, model, {"clients_per_round": 6})
     if name == "ifca":
         fed, model = _synthetic()
         return A.IFCA(num_clusters=2, lr=0.1, local_steps=2), fed, model, {"clients_per_round": 6}
@@ -94,7 +99,8 @@ def case(name: str):
     raise ValueError(name)
 
 
-CASES = ["fedavg", "localtrain", "pfedme", "fedpi_anderson", "cgpfl", "cgpfl_heur", "perm", "perm_single_loop", "ifca",
+CASES = ["fedavg", "localtrain", "pfedme", "fedpi_anderson", "cgpfl", "cgpfl_heur", "perm", "perm_single_loop", "perm_pooled",
+         "ifca",
          "l2sgd", "ditto", "apfl"]
 
 

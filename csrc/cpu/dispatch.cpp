@@ -231,8 +231,9 @@ void dp_normals(uint64_t seed, uint64_t counter, int64_t n, double* out) { activ
 
 void anderson_solve(const double* G, int64_t k, double reg, double* pi) { active().anderson_solve(G, k, reg, pi); }
 
-void water_fill(const double* costs, int64_t r, int64_t k, const double* w, double* alpha, Faults& faults) {
-  active().water_fill(costs, r, k, w, alpha, faults);
+void water_fill(const double* costs, int64_t r, int64_t k, const double* w, const double* w_own, double* alpha,
+                Faults& faults) {
+  active().water_fill(costs, r, k, w, w_own, alpha, faults);
 }
 
 template <typename T>

@@ -127,7 +127,7 @@ struct KernelTable {
   Typed<PermScreenStatsFn> perm_screen_stats;
   void (*dp_normals)(uint64_t, uint64_t, int64_t, double*);
   void (*anderson_solve)(const double*, int64_t, double, double*);
-  void (*water_fill)(const double*, int64_t, int64_t, const double*, double*, Faults&);
+  void (*water_fill)(const double*, int64_t, int64_t, const double*, const double*, double*, Faults&);
   Typed<WaterFillGramFn> water_fill_gram;
   Typed<WaterFillScreenedFn> water_fill_screened;
   void (*sample_batches)(const int64_t*, int64_t, int64_t, const int64_t*, int64_t, int64_t, int64_t, int64_t,

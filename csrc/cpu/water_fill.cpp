@@ -27,12 +27,23 @@ namespace pflcore::cpu {
 PFLCORE_LEVEL_BEGIN
 
 
-void water_fill(const double* costs, int64_t r, int64_t k, const double* w, double* alpha, Faults& faults) {
+void water_fill(const double* costs, int64_t r, int64_t k, const double* w, const double* w_own, double* alpha,
+                Faults& faults) {
   std::vector<double> inv_w;
   if (!inverse_weights(w, k, inv_w, faults)) return;
+  if (w_own) {  // each row's own weight for the last column (a pooled α's own client): checked first
+    for (int64_t i = 0; i < r; ++i)
+      if (!(std::isfinite(w_own[i]) && w_own[i] > 0.0)) {
+        faults.add(i, std::isfinite(w_own[i]) ? FaultKind::Value : FaultKind::NonFinite,
+                   "w_own: expected finite positive weights, got w_own[%lld] = %g", ll(i), w_own[i]);
+        return;
+      }
+  }
 #pragma omp parallel if (r * k > (1 << 15))
   {
     std::vector<double> Ac(static_cast<size_t>(k)), Aw(static_cast<size_t>(k));
+    // with w_own: the thread's copy of the weights and their inverses, the last entry set per row
+    std::vector<double> wl(w_own ? w : w + k, w + k), il(w_own ? inv_w.begin() : inv_w.end(), inv_w.end());
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < r; ++i) {
       const double* c = costs + i * k;
@@ -41,10 +52,18 @@ void water_fill(const double* costs, int64_t r, int64_t k, const double* w, doub
         faults.add(i, FaultKind::NonFinite, "costs: row %lld holds a NaN or infinite value", ll(i));
         continue;
       }
-      const double tau = row_level<false>(c, w, inv_w.data(), k, Ac.data(), Aw.data(), nullptr, nullptr);
+      const double* wi = w;
+      const double* ii = inv_w.data();
+      if (w_own) {
+        wl[size_t(k - 1)] = w_own[i];
+        il[size_t(k - 1)] = 1.0 / w_own[i];
+        wi = wl.data();
+        ii = il.data();
+      }
+      const double tau = row_level<false>(c, wi, ii, k, Ac.data(), Aw.data(), nullptr, nullptr);
       // w·max(0, τ − c): 0 exactly where c ≥ τ, without a branch on the data
 #pragma omp simd
-      for (int64_t j = 0; j < k; ++j) out[j] = w[j] * std::max(0.0, tau - c[j]);
+      for (int64_t j = 0; j < k; ++j) out[j] = wi[j] * std::max(0.0, tau - c[j]);
     }
   }
 }

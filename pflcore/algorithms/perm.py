@@ -42,7 +42,7 @@ import torch
 
 from pflcore import backend, ops
 from pflcore import distributed
-from pflcore.algorithms import _perm_principal
+from pflcore.algorithms import _perm_pool, _perm_principal
 from pflcore.algorithms.base import Algorithm, Context, count_int, per_client, positive, replicate
 from pflcore.backends import reference
 
@@ -647,11 +647,23 @@ def mixing_weights(model, w: torch.Tensor, train, lam_alpha: float, comm: distri
 
 
 def weights_from_gradients(G: torch.Tensor, sizes: torch.Tensor, lam_alpha: float, comm: distributed.Comm = None,
-                           first_client: int = 0) -> torch.Tensor:
+                           first_client: int = 0, pool: Optional[torch.Tensor] = None) -> torch.Tensor:
     """α from the clients' gradients ``G [m, d]`` at w̃ and their sizes ``[m]``. Sharded (``comm``
     over several ranks, ``G`` this rank's clients from ``first_client`` on): the rows of this
-    rank's models, ``[m_local, m]``, after one all-gather of G and the sizes."""
-    if comm is None or comm.world == 1:
+    rank's models, ``[m_local, m]``, after one all-gather of G and the sizes. ``pool`` ([s]
+    ascending client ids): the pooled α over each client's candidates pool ∪ {own client},
+    ``[m_local, s + 1]`` (``_perm_pool``; sharded, only the pool's rows of G are gathered)."""
+    sharded = comm is not None and comm.world > 1
+    if pool is not None:
+        ids = torch.arange(first_client, first_client + G.shape[0], device=G.device)
+        if sharded:  # the pool's rows held here, gathered in rank order: ascending, pool order
+            local = pool[(pool >= first_client) & (pool < first_client + G.shape[0])] - first_client
+            G_pool, sizes_pool = comm.all_gather_rows(G[local]), comm.all_gather_rows(sizes[local])
+        else:
+            G_pool, sizes_pool = G[pool], sizes[pool]
+        lam = positive(lam_alpha, "lam_alpha", "weights_from_gradients")
+        return _perm_pool.weights(G, sizes, ids, G_pool, sizes_pool, pool, lam)
+    if not sharded:
         G_all, all_sizes, rows = G, sizes, slice(None)
     else:
         G_all, all_sizes = comm.all_gather_rows(G), comm.all_gather_rows(sizes)
@@ -668,8 +680,10 @@ class PERMState:
     w: torch.Tensor                 # [d] the FedAvg model w̃
     theta: torch.Tensor = per_client()  # [m, d] personalized models
     sigma: Optional[torch.Tensor] = None  # int64 [m] the shuffling permutation σ (of all clients)
-    alpha: Optional[torch.Tensor] = per_client(default=None)  # float64 [m, m] mixing weights (None in warm-up)
+    alpha: Optional[torch.Tensor] = per_client(default=None)  # float64 [m, m] mixing weights (None in warm-up);
+    # pooled (alpha_pool): [m, s + 1], weights on the pool's clients, then on the own client
     shuffle_rounds: int = 0         # shuffling rounds done
+    pool: Optional[torch.Tensor] = None  # int64 [s] ascending: the pooled α's clients (None: α over all)
 
 
 class PERM(Algorithm):
@@ -683,7 +697,10 @@ class PERM(Algorithm):
     train every round, whatever clients_per_round). ``single_loop=True`` keeps training w̃ every
     round and recomputes α every ``alpha_every`` shuffling rounds, at the w̃ the round starts
     from (its FedAvg steps start from the same gradients). ``batch_size``: minibatch
-    rows (None: full batch). Personalized models: θ_i."""
+    rows (None: full batch). ``alpha_pool``: s < m pools α: each model's weights over s clients
+    drawn uniformly at each recomputation and its own client (``_perm_pool``: O(m·s·d) per
+    recomputation, α stored as [m, s + 1]; ``dense_alpha`` writes it out), None: over all clients.
+    Personalized models: θ_i."""
 
     name = "PERM"
     dp_unsupported = ("its mixing weights are computed at the server from every client's gradient, and its "
@@ -691,7 +708,8 @@ class PERM(Algorithm):
 
     def __init__(self, warmup_rounds: int, lam_alpha: float, lr: float, local_steps: int = 1,
                  single_loop: bool = False, alpha_every: int = 10, fedavg_lr: Optional[float] = None,
-                 fedavg_steps: Optional[int] = None, batch_size: Optional[int] = None):
+                 fedavg_steps: Optional[int] = None, batch_size: Optional[int] = None,
+                 alpha_pool: Optional[int] = None):
         n = self.name
         self.warmup_rounds = count_int(warmup_rounds, "warmup_rounds", n, minimum=0)
         self.lam_alpha = positive(lam_alpha, "lam_alpha", n)
@@ -702,6 +720,7 @@ class PERM(Algorithm):
         self.fedavg_lr = self.lr if fedavg_lr is None else positive(fedavg_lr, "fedavg_lr", n)
         self.fedavg_steps = self.local_steps if fedavg_steps is None else count_int(fedavg_steps, "fedavg_steps", n)
         self.batch_size = None if batch_size is None else count_int(batch_size, "batch_size", n)
+        self.alpha_pool = None if alpha_pool is None else count_int(alpha_pool, "alpha_pool", n)
 
     def init(self, ctx: Context) -> PERMState:
         g = torch.Generator().manual_seed((ctx.seed * 6_364_136_223 + 1_442_695) & _M63)
@@ -736,7 +755,8 @@ class PERM(Algorithm):
         m, r, held = ctx.num_clients, state.shuffle_rounds, ctx.m
         models = torch.arange(held, device=ctx.device)
         j = self.visits(state.sigma, r, models + ctx.first_client)  # global client ids
-        a = state.alpha[models, j]
+        a = state.alpha[models, j] if state.pool is None else \
+            _perm_pool.at(state.alpha, state.pool, models, models + ctx.first_client, j)
         active = torch.nonzero(a > 0).flatten()
         idle = torch.nonzero(a <= 0).flatten()
         if ctx.sharded:
@@ -815,7 +835,11 @@ class PERM(Algorithm):
             # allocated while the old is alive comes from fresh pages, faulted in one by one (m =
             # 2,000: 32 MB, ~16 ms at 1 thread, beside a ~14 ms solve at the one-round w̃)
             state.alpha = None
-            state.alpha = weights_from_gradients(G, ctx.train.sizes, self.lam_alpha, ctx.comm, ctx.first_client)
+            m = ctx.num_clients
+            state.pool = None if self.alpha_pool is None or self.alpha_pool >= m else \
+                _perm_pool.draw(m, self.alpha_pool, ctx.seed, state.shuffle_rounds).to(ctx.device)
+            state.alpha = weights_from_gradients(G, ctx.train.sizes, self.lam_alpha, ctx.comm, ctx.first_client,
+                                                 state.pool)
         self._shuffle(state, ctx, t)
         return state
 
@@ -826,6 +850,18 @@ class PERM(Algorithm):
 
     def global_model(self, state: PERMState) -> torch.Tensor:
         return state.w
+
+    @staticmethod
+    def dense_alpha(state: PERMState, first_client: int = 0, num_clients: Optional[int] = None) -> Optional[torch.Tensor]:
+        """``float64 [m_local, m]``: α over all clients (a pooled α written out; the exact α as it
+        is). ``first_client``, ``num_clients``: a sharded rank's first row's client and m (default:
+        one process, m = the rows of α)."""
+        if state.alpha is None or state.pool is None:
+            return state.alpha
+        r = state.alpha.shape[0]
+        m = r if num_clients is None else int(num_clients)
+        ids = torch.arange(first_client, first_client + r, device=state.alpha.device)
+        return _perm_pool.dense(state.alpha, state.pool, ids, m)
 
 __all__ = ["PERM", "PERMState", "mixing_weights", "pairwise_sqdist", "screened_weights", "water_filling",
            "water_filling_ref", "weights_from_gradients"]

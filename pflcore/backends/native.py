@@ -158,10 +158,12 @@ class NativeAdapter(Adapter):
         self._core.anderson_solve(G.data_ptr(), G.shape[0], float(reg), pi.data_ptr())
         return pi
 
-    def water_fill(self, costs, w):
+    def water_fill(self, costs, w, w_own=None):
         costs, w = costs.to(_F64).contiguous(), w.to(_F64).contiguous()
+        w_own = None if w_own is None else w_own.to(_F64).contiguous()
         alpha = torch.empty_like(costs)
-        self._core.water_fill(costs.data_ptr(), costs.shape[0], costs.shape[1], w.data_ptr(), alpha.data_ptr())
+        self._core.water_fill(costs.data_ptr(), costs.shape[0], costs.shape[1], w.data_ptr(), _ptr(w_own),
+                              alpha.data_ptr())
         return alpha
 
     def water_fill_gram(self, gram, sq_r, sq_c, own, w, out, out_rows, cols, fill: str = "block"):

@@ -9,7 +9,7 @@ the reference raises exactly the errors the native kernels raise.
 from __future__ import annotations
 
 import math
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -200,16 +200,21 @@ def _level(c_sorted: torch.Tensor, w_sorted: torch.Tensor) -> torch.Tensor:
     return level.gather(1, active - 1)[:, 0]
 
 
-def water_fill(costs: torch.Tensor, w: torch.Tensor, candidates: int = 256) -> torch.Tensor:
+def water_fill(costs: torch.Tensor, w: torch.Tensor, candidates: int = 256,
+               w_own: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``alpha [r, k]`` float64: α_ij = w_j·max(0, τ_i − c_ij) with the level τ_i at which the row
     sums to 1 (the rule of csrc/cpu/water_fill.cpp; costs finite, w > 0, both float64), τ from
-    ``water_levels``."""
+    ``water_levels``. ``w_own [r]``: row i's weight of the last column in place of w[k − 1]."""
+    if w_own is not None:
+        w = w.expand(costs.shape[0], w.shape[0]).clone()
+        w[:, -1] = w_own
     tau = water_levels(costs, w, candidates)
-    return torch.sub(tau[:, None], costs).clamp_(min=0.0).mul_(w[None, :])  # one fresh [r, k]
+    return torch.sub(tau[:, None], costs).clamp_(min=0.0).mul_(w if w.dim() == 2 else w[None, :])
 
 
 def water_levels(costs: torch.Tensor, w: torch.Tensor, candidates: int = 256) -> torch.Tensor:
-    """``[r]`` float64: the level τ_i at which Σ_j w_j·max(0, τ_i − c_ij) = 1 (costs finite, w > 0).
+    """``[r]`` float64: the level τ_i at which Σ_j w_j·max(0, τ_i − c_ij) = 1 (costs finite, w > 0:
+    ``[k]``, or ``[r, k]`` a weight per entry).
 
     Sorting a row's costs ascending, the active set is a prefix of length a, and
     τ = (1 + Σ_{j≤a} c_j w_j) / Σ_{j≤a} w_j; a is the longest prefix whose level exceeds its last
@@ -229,7 +234,7 @@ def water_levels(costs: torch.Tensor, w: torch.Tensor, candidates: int = 256) ->
         else:
             vals, idx = torch.topk(rows, L + 1, dim=1, largest=False, sorted=True)
             bound, vals, idx = vals[:, L], vals[:, :L], idx[:, :L]
-        level = _level(vals, w[idx])
+        level = _level(vals, w[idx] if w.dim() == 1 else torch.gather(w if rows is costs else w[todo], 1, idx))
         exact = level <= bound
         tau[todo[exact]] = level[exact]
         todo, L = todo[~exact], min(8 * L, k)
@@ -438,8 +443,8 @@ class ReferenceAdapter(Adapter):
     def anderson_solve(self, G, reg: float):
         return anderson_solve(G, reg)
 
-    def water_fill(self, costs, w, candidates: int = 256):
-        return water_fill(costs, w, candidates)
+    def water_fill(self, costs, w, candidates: int = 256, w_own=None):
+        return water_fill(costs, w, candidates, w_own)
 
     def water_fill_gram(self, gram, sq_r, sq_c, own, w, out, out_rows, cols, fill: str = "block"):
         return water_fill_gram(gram, sq_r, sq_c, own, w, out, out_rows, cols, fill)

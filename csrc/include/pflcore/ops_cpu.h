@@ -211,9 +211,11 @@ template <typename T>
 void sym_products(const T* Y /*[n, d]*/, int64_t n, int64_t d, T* out /*[n, n]*/);
 
 // PERM's water-filling (csrc/cpu/water_fill.cpp): alpha[i, j] = w[j]·max(0, τ_i − costs[i, j]), the
-// level τ_i such that the row sums to 1. Checks w (finite, > 0) and each row of costs (finite).
+// level τ_i such that the row sums to 1. w_own (or null): row i's weight of the last column,
+// w_own[i] in place of w[k − 1] (a pooled α's own-client column, perm._perm_pool). Checks w and
+// w_own (finite, > 0) and each row of costs (finite).
 void water_fill(const double* costs /*[r, k]*/, int64_t r, int64_t k, const double* w /*[k]*/,
-                double* alpha /*[r, k]*/, Faults& faults);
+                const double* w_own /*[r] or null*/, double* alpha /*[r, k]*/, Faults& faults);
 // The same from a block of a Gram matrix (perm.screened_weights): the costs of row i are
 // c_ij = max(0, sq_r[i] + sq_c[j] − 2·gram[i, j]) with c_{i, own[i]} = 0; α_ij is written to
 // out[out_rows[i]·out_stride + cols[j]] (the other entries of out untouched) and τ_i to levels[i].
