@@ -37,6 +37,14 @@
       (e) a whole single-loop run (α every 2 rounds, 30 rounds timed one by one): the median
           round that recomputes α against the median other round, with the pair screen available
           and with the cluster screen alone (what the screens do over a run's regimes).
+      (f) ``PERM(alpha_pool=s)``'s pooled α (each model's weights over s clients drawn uniformly
+          and its own client; ``perm._perm_pool``) for s = 100 and 200, at the w̃ of (a) and of
+          (d): the gradient pass and the pooled solve, alternated with the round (a), after
+          checking 64 rows against the definition -- the same target, by the issue's other route
+          ("or on a sample of clients").
+      (g) what the pool costs in accuracy: two-loop and single-loop PERM at m = 200 (the same
+          generator), 2 epochs of model shuffling, exact α against pools of 10, 20 and 50 clients,
+          the personalized test accuracy at the end, 3 seeds.
 
     Precision: the gradients are float32, so the screened solve multiplies in float32 (rows shifted
     by their group's mean; ``screened_weights``' ``products``). Its α is compared with the dense
@@ -47,7 +55,7 @@ Times are the best of ``--repeats`` runs (time.perf_counter); α and the round i
 alternate run by run. The 1-minute load average is
 recorded: this 2-core machine is shared, so timings are noisy.
 
-    python bench/server_steps.py            # ~1 minute
+    python bench/server_steps.py            # ~1.5 minutes
     python bench/server_steps.py --quick    # m = 2,000 and 500, a smoke run
 
 Writes ``--out`` (default bench/results/server_steps.json).

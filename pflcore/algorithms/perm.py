@@ -24,6 +24,12 @@ takes its step on w̃ and the new α from the same gradients). With full-batch F
 sampled client's first step is taken along its gradient from that pass, so a round that
 recomputes α runs one gradient pass over the clients, not a pass for α beside its FedAvg steps.
 
+Pooled α (``alpha_pool=s``): each model's weights over a pool of s clients drawn at each
+recomputation and its own client, the same problem on those candidates (``_perm_pool``): one
+[m, s] product instead of the screens' work on m² pairs, α stored as [m, s + 1]. Its weights sit
+on fewer neighbours than exact α's, which costs accuracy (bench/server_steps.py part (g)); it is
+what makes PERM run at 10⁵ clients and more, where an [m, m] α does not fit in memory.
+
 Sharded runs (``pflcore.distributed``): a rank holds its clients' personalized models and their
 rows of α [m_local, m]. α needs every client's gradient (one all-gather of G [m, d]); in a
 shuffling round each model travels to the rank of the client it visits, takes its steps there
