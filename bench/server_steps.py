@@ -41,10 +41,10 @@
           and its own client; ``perm._perm_pool``) for s = 100 and 200, at the w̃ of (a) and of
           (d): the gradient pass and the pooled solve, alternated with the round (a), after
           checking 64 rows against the definition -- the same target, by the issue's other route
-          ("or on a sample of clients").
-      (g) what the pool costs in accuracy: two-loop and single-loop PERM at m = 200 (the same
-          generator), 2 epochs of model shuffling, exact α against pools of 10, 20 and 50 clients,
-          the personalized test accuracy at the end, 3 seeds.
+          ("or on a sample of clients"); and, as (c), what it adds to a single-loop round.
+      (g) what the pool costs in accuracy: two-loop PERM at m = 2,000 (pools of 100, 200, 500),
+          two-loop and single-loop at m = 200 (pools of 10, 20, 50; 3 seeds), the same generator,
+          2 epochs of model shuffling; the personalized test accuracy at the end against exact α's.
 
     Precision: the gradients are float32, so the screened solve multiplies in float32 (rows shifted
     by their group's mean; ``screened_weights``' ``products``). Its α is compared with the dense
@@ -55,7 +55,7 @@ Times are the best of ``--repeats`` runs (time.perf_counter); α and the round i
 alternate run by run. The 1-minute load average is
 recorded: this 2-core machine is shared, so timings are noisy.
 
-    python bench/server_steps.py            # ~1.5 minutes
+    python bench/server_steps.py            # ~2 minutes
     python bench/server_steps.py --quick    # m = 2,000 and 500, a smoke run
 
 Writes ``--out`` (default bench/results/server_steps.json).
@@ -172,7 +172,7 @@ def bench_perm(m, repeats):
             "single_loop_pass": single["single_loop_alpha_s"] <= 0.5 * full_round_s}
 
 
-def bench_single_loop_alpha(fed, model, lam_alpha, alpha_every, repeats):
+def bench_single_loop_alpha(fed, model, lam_alpha, alpha_every, repeats, alpha_pool=None):
     """(c) What α adds to a single-loop PERM round (all clients each round, 5 full-batch FedAvg
     steps): the round that recomputes α against the round after it, which does not (both from
     copies of the same state, alternating, best of each). In the first, α's gradient pass at w̃
@@ -180,7 +180,7 @@ def bench_single_loop_alpha(fed, model, lam_alpha, alpha_every, repeats):
     difference between that pass and one local step; the rest of the two rounds (the FedAvg steps,
     the shuffling round's steps on ~4% of the models) is alike."""
     alg = A.PERM(warmup_rounds=1, lam_alpha=lam_alpha, lr=0.05, local_steps=5, single_loop=True,
-                 alpha_every=alpha_every)
+                 alpha_every=alpha_every, alpha_pool=alpha_pool)
     ctx = A.Context(fed, model, torch.device("cpu"), seed=0)
     state = alg.round(alg.round(alg.init(ctx), ctx, 1), ctx, 2)  # warm-up, then α and a shuffling round
     runs = {True: [], False: []}
@@ -254,34 +254,46 @@ def bench_pooled_alpha(fed, model, lam_alpha, ws, all_models_round, clone_s, rep
             out.append({"w": where, "pool": s, "alpha_s": min(alpha_runs), "round_s": round_s,
                         "ratio": min(alpha_runs) / round_s, "vs_definition_max_abs_diff": agreement,
                         "mean_active_weights_per_client": float((alpha > 0).sum(1).double().mean())})
+    for s in POOLS:  # single-loop, as (c): what the pooled α adds to the round that recomputes it
+        single = bench_single_loop_alpha(fed, model, lam_alpha, 10, repeats, alpha_pool=s)
+        round_s = max(best_of(all_models_round, repeats) - clone_s, 1e-9)
+        out.append({"w": "single_loop", "pool": s, "alpha_s": single["single_loop_alpha_s"], "round_s": round_s,
+                    "ratio": single["single_loop_alpha_s"] / round_s, **single})
     return out
 
 
-ACCURACY_M, ACCURACY_POOLS, ACCURACY_SEEDS = 200, (10, 20, 50), (0, 1, 2)
+# part (g): (m, single_loop, pools, seeds); m = 2,000 single-loop (4,000 rounds of ~55 ms) is left out
+ACCURACY = ((2000, False, (100, 200, 500), (0,)), (200, False, (10, 20, 50), (0, 1, 2)),
+            (200, True, (10, 20, 50), (0, 1, 2)))
 
 
 def bench_pool_accuracy():
-    """(g) What the pool costs in accuracy: PERM two-loop (20 warm-up rounds) and single-loop (α every
-    10 rounds), 2 epochs of model shuffling (2m rounds) at m = 200 (the same generator, 4 contexts),
-    exact α against pools of 10, 20 and 50 clients; personalized test accuracy (mean over clients,
-    and its 10th percentile) at the end, mean over 3 seeds of the run (same data)."""
+    """(g) What the pool costs in accuracy: PERM two-loop (20 warm-up rounds) at m = 2,000 and m =
+    200, single-loop (α every 10 rounds) at m = 200, 2 epochs of model shuffling (2m rounds) on the
+    same generator (4 contexts), exact α against pools; the personalized test accuracy (mean over
+    clients, and its 10th percentile) at the end, mean over the seeds of the run (same data), and
+    the FedAvg model's."""
     import pflcore
-    fed = data.contexts(num_clients=ACCURACY_M, num_contexts=4, dim=60, num_classes=10, sizes=(50, 250), seed=1)
-    model = models.Softmax(60, 10)
     rows = []
-    for single in (False, True):
-        for pool in (None,) + ACCURACY_POOLS:
-            acc, p10 = [], []
-            for seed in ACCURACY_SEEDS:
+    for m, single, pools, seeds in ACCURACY:
+        fed = data.contexts(num_clients=m, num_contexts=4, dim=60, num_classes=10, sizes=(50, 250), seed=1)
+        model = models.Softmax(60, 10)
+        for pool in (None,) + pools:
+            acc, p10, glob, took = [], [], [], 0.0
+            for seed in seeds:
                 alg = A.PERM(warmup_rounds=1 if single else 20, lam_alpha=100.0, lr=0.05, local_steps=5,
                              single_loop=single, alpha_every=10, alpha_pool=pool)
-                rounds = (1 if single else 20) + 2 * ACCURACY_M
+                rounds = (1 if single else 20) + 2 * m
+                t0 = time.perf_counter()
                 last = pflcore.run(alg, fed, model, rounds=rounds, eval_every=rounds, seed=seed, progress=False,
                                    train_loss="none").history[-1]
+                took += time.perf_counter() - t0
                 acc.append(last["personalized_acc"])
                 p10.append(last["personalized_acc_p10"])
-            rows.append({"single_loop": single, "pool": pool, "personalized_acc": sum(acc) / len(acc),
-                         "personalized_acc_p10": sum(p10) / len(p10), "per_seed": acc})
+                glob.append(last["global_acc"])
+            rows.append({"m": m, "single_loop": single, "pool": pool, "personalized_acc": sum(acc) / len(acc),
+                         "personalized_acc_p10": sum(p10) / len(p10), "global_acc": sum(glob) / len(glob),
+                         "per_seed": acc, "run_s": took / len(seeds)})
     return rows
 
 
@@ -363,6 +375,12 @@ def main():
           f"weights per client): {pe['shuffle_round_s'] * 1e3:.1f} ms, ratio {pe['ratio_to_shuffle_round']:.1f}; α every "
           f"{pe['alpha_every']} rounds = {pe['alpha_per_round_amortized_s'] * 1e3:.1f} ms per round")
     for row in pe["pooled"]:
+        if row["w"] == "single_loop":
+            print(f"  single-loop PERM with alpha_pool = {row['pool']} (as above): a round "
+                  f"{row['single_loop_round_with_alpha_s'] * 1e3:.1f} ms with α, "
+                  f"{row['single_loop_round_without_alpha_s'] * 1e3:.1f} without: α adds {row['alpha_s'] * 1e3:.1f} ms,"
+                  f" ratio {row['ratio']:.2f} (target <= 0.5): {'PASS' if row['ratio'] <= 0.5 else 'FAIL'}")
+            continue
         print(f"  pooled α (alpha_pool = {row['pool']}, at the w̃ of {'(a)' if row['w'] == 'early' else '(d)'}; "
               f"{row['mean_active_weights_per_client']:.1f} nonzero weights per client, max|Δα| vs its definition "
               f"{row['vs_definition_max_abs_diff']:.1e}): {row['alpha_s'] * 1e3:.1f} ms against the round's "
@@ -370,10 +388,11 @@ def main():
               f"{'PASS' if row['ratio'] <= 0.5 else 'FAIL'}")
     accuracy = None if args.quick else bench_pool_accuracy()
     for row in accuracy or []:
-        print(f"  accuracy, m = {ACCURACY_M}, {'single-loop' if row['single_loop'] else 'two-loop'}, "
+        print(f"  accuracy, m = {row['m']:,}, {'single-loop' if row['single_loop'] else 'two-loop'}, "
               f"{'exact α' if row['pool'] is None else 'pool of %d' % row['pool']}: personalized "
               f"{row['personalized_acc']:.3f} (10th percentile {row['personalized_acc_p10']:.3f}; seeds "
-              f"{', '.join('%.3f' % a for a in row['per_seed'])})")
+              f"{', '.join('%.3f' % a for a in row['per_seed'])}; FedAvg's model {row['global_acc']:.3f}), "
+              f"a run {row['run_s']:.1f} s")
     out = {"cgpfl_clustering": cg, "perm_mixing_weights": pe, "pool_accuracy": accuracy, "quick": args.quick,
            "repeats": args.repeats}
     write_json(args.out, out)
