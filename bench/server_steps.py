@@ -45,6 +45,8 @@
       (g) what the pool costs in accuracy: two-loop PERM at m = 2,000 (pools of 100, 200, 500),
           two-loop and single-loop at m = 200 (pools of 10, 20, 50; 3 seeds), the same generator,
           2 epochs of model shuffling; the personalized test accuracy at the end against exact α's.
+      (h) single-loop PERM at m = 100,000 with ``alpha_pool = 200``: the rounds that recompute α,
+          α's memory and the process' peak (exact α would be 80 GB).
 
     Precision: the gradients are float32, so the screened solve multiplies in float32 (rows shifted
     by their group's mean; ``screened_weights``' ``products``). Its α is compared with the dense
@@ -297,6 +299,34 @@ def bench_pool_accuracy():
     return rows
 
 
+SCALE_M, SCALE_POOL = 100_000, 200  # part (h)
+
+
+def bench_pool_at_scale():
+    """(h) Single-loop PERM at m = 100,000 (the same generator, sizes 20-40: 2.2M rows) with
+    ``alpha_pool = 200``, α every 5 rounds, 1,000 clients a round, 12 rounds timed one by one: the
+    rounds that recompute α (a gradient pass over every client and the pooled solve) against the
+    others, α's size, and the process' peak memory. Exact α would be a float64 [10⁵, 10⁵]: 80 GB."""
+    import resource
+    import pflcore
+    fed = data.contexts(num_clients=SCALE_M, num_contexts=4, dim=60, num_classes=10, sizes=(20, 40), seed=1)
+    model = models.Softmax(60, 10)
+    alg = A.PERM(warmup_rounds=2, lam_alpha=100.0, lr=0.05, local_steps=5, single_loop=True, alpha_every=5,
+                 alpha_pool=SCALE_POOL)
+    stamps = []
+    t0 = time.perf_counter()
+    res = pflcore.run(alg, fed, model, rounds=12, clients_per_round=1000, eval_every=12, progress=False,
+                      train_loss="none", callbacks=[lambda r, row, state, evaluated=False: stamps.append(
+                          time.perf_counter())])
+    took = [b - a for a, b in zip([t0] + stamps[:-1], stamps)]
+    refresh = [took[t - 1] for t in (3, 8)]  # rounds 3 and 8 recompute α (shuffling rounds 0 and 5)
+    others = sorted(took[t - 1] for t in range(4, 12) if t != 8)
+    return {"m": SCALE_M, "pool": SCALE_POOL, "rows": fed.train.num_rows, "alpha_rounds_s": refresh,
+            "other_round_median_s": others[len(others) // 2], "alpha_bytes": res.state.alpha.numel() * 8,
+            "exact_alpha_bytes": SCALE_M * SCALE_M * 8,
+            "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
 RUN_ROUNDS = 30  # part (e)
 
 
@@ -393,8 +423,14 @@ def main():
               f"{row['personalized_acc']:.3f} (10th percentile {row['personalized_acc_p10']:.3f}; seeds "
               f"{', '.join('%.3f' % a for a in row['per_seed'])}; FedAvg's model {row['global_acc']:.3f}), "
               f"a run {row['run_s']:.1f} s")
-    out = {"cgpfl_clustering": cg, "perm_mixing_weights": pe, "pool_accuracy": accuracy, "quick": args.quick,
-           "repeats": args.repeats}
+    scale = None if args.quick else bench_pool_at_scale()
+    if scale:
+        print(f"  single-loop PERM at m = {scale['m']:,} ({scale['rows']:,} rows), alpha_pool = {scale['pool']}: the "
+              f"rounds recomputing α {', '.join('%.2f' % x for x in scale['alpha_rounds_s'])} s, the others "
+              f"{scale['other_round_median_s'] * 1e3:.0f} ms (median); α {scale['alpha_bytes'] / 2**20:.0f} MiB "
+              f"(exact: {scale['exact_alpha_bytes'] / 1e9:.0f} GB), peak memory {scale['max_rss_bytes'] / 2**30:.2f} GiB")
+    out = {"cgpfl_clustering": cg, "perm_mixing_weights": pe, "pool_accuracy": accuracy, "pool_at_scale": scale,
+           "quick": args.quick, "repeats": args.repeats}
     write_json(args.out, out)
     print(f"wrote {args.out}")
 

@@ -211,3 +211,16 @@ def test_products_precision():
         ((G.double() - G[pool].double().mean(0)) ** 2).sum(1).max())
     with pytest.raises(ValueError, match="products"):
         PL.weights(G, sizes, ids, G[pool], sizes[pool], pool, lam, products=torch.float16)
+
+
+def test_exact_alpha_that_does_not_fit_names_alpha_pool(monkeypatch):
+    """Where the [m, m] α cannot be allocated (torch's CPU allocator raises a RuntimeError; at 10⁵
+    clients it is 80 GB), the run stops with a MemoryError that names the way out. (The
+    allocation's failure is simulated: a real one would depend on this machine's memory.)"""
+    def no_memory(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 80000000000 bytes")
+    monkeypatch.setattr(P, "weights_from_gradients", no_memory)
+    with pytest.raises(MemoryError, match=r"exact mixing weights need a float64 \[12, 12\] α.*alpha_pool"):
+        _run(PERM(warmup_rounds=1, lam_alpha=10.0, lr=0.05), rounds=3, eval_every=3)
+    with pytest.raises(RuntimeError, match="can't allocate"):  # a pooled α's own failure is left as it is
+        _run(PERM(warmup_rounds=1, lam_alpha=10.0, lr=0.05, alpha_pool=4), rounds=3, eval_every=3)

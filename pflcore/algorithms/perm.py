@@ -844,8 +844,17 @@ class PERM(Algorithm):
             m = ctx.num_clients
             state.pool = None if self.alpha_pool is None or self.alpha_pool >= m else \
                 _perm_pool.draw(m, self.alpha_pool, ctx.seed, state.shuffle_rounds).to(ctx.device)
-            state.alpha = weights_from_gradients(G, ctx.train.sizes, self.lam_alpha, ctx.comm, ctx.first_client,
-                                                 state.pool)
+            try:
+                state.alpha = weights_from_gradients(G, ctx.train.sizes, self.lam_alpha, ctx.comm, ctx.first_client,
+                                                     state.pool)
+            except RuntimeError as exc:  # torch's failed allocation (CPU: "can't allocate memory")
+                if state.pool is not None or "allocate" not in str(exc):
+                    raise
+                gb = ctx.m * m * 8 / 1e9
+                raise MemoryError(f"PERM: exact mixing weights need a float64 [{ctx.m:,}, {m:,}] α ({gb:.1f} GB) and "
+                                  f"its screen's buffers, which did not fit in memory; PERM(alpha_pool=s) solves each "
+                                  f"model's α over a pool of s clients (e.g. 200: [{ctx.m:,}, 201], "
+                                  f"{ctx.m * 201 * 8 / 1e9:.2f} GB)") from exc
         self._shuffle(state, ctx, t)
         return state
 
