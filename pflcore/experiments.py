@@ -466,8 +466,8 @@ def _plot_state_matrices(res, tag: str, seed: int, out: str, log, comm) -> None:
     try:
         plot_matrix(alpha, os.path.join(out, f"{_slug(tag)}_seed{seed}_alpha.png"),
                     f"{tag}: mixing weights α (row i: model i's weight on client j)" if not pooled else
-                    f"{tag}: pooled mixing weights α (row i: model i's weights on the pool, then its own client)",
-                    xlabel="client j" if not pooled else "pool's client j (last column: model i's own client)")
+                    f"{tag}: pooled mixing weights α",
+                    xlabel="client j" if not pooled else "the pool's j-th client (last column: model i's own client)")
     except ImportError as exc:
         log(f"(no plot: {exc})")
 

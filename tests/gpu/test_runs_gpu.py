@@ -1,5 +1,5 @@
-"""Whole runs on a CUDA device equal the same runs on the CPU (DESIGN.md §1, §5): pFedMe, CGPFL
-and the grand scheme (FedSplit, FedPi, FedRP, each with and without Anderson acceleration),
+"""Whole runs on a CUDA device equal the same runs on the CPU (DESIGN.md §1, §5): pFedMe, PERM
+(exact and pooled α), CGPFL and the grand scheme (FedSplit, FedPi, FedRP, each with and without Anderson acceleration),
 with the automatic backend choice on the GPU (cuda, else triton, else reference per op), with
 Triton in place of the CUDA module, and with the reference alone.
 
@@ -67,6 +67,22 @@ def test_pfedme(mode, monkeypatch):
     model = models.Softmax(15, 10, l2=1e-3)
     _compare(lambda: A.PFedMe(lam=15.0, lr=0.02, personal_lr=0.05, inner_steps=3, local_rounds=4, batch_size=8),
              fed, model, mode, monkeypatch, rounds=5, clients_per_round=6, eval_every=1, seed=4)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("pool", [None, 5])
+def test_perm(mode, pool, monkeypatch):
+    """Single-loop PERM, exact α (the dense solve below 512 clients) and pooled α (the pool drawn on
+    the host, the same on every device; its product and water-filling on the GPU)."""
+    fed = data.contexts(num_clients=24, num_contexts=3, dim=12, num_classes=5, sizes=(30, 80), seed=0,
+                        dtype=torch.float64)
+    model = models.Softmax(12, 5)
+    cpu, gpu = _compare(lambda: A.PERM(warmup_rounds=2, lam_alpha=30.0, lr=0.05, local_steps=2, single_loop=True,
+                                       alpha_every=2, alpha_pool=pool),
+                        fed, model, mode, monkeypatch, rounds=6, eval_every=2, seed=1)
+    torch.testing.assert_close(gpu.state.alpha.cpu(), cpu.state.alpha, **TOL64)
+    if pool is not None:
+        assert torch.equal(gpu.state.pool.cpu(), cpu.state.pool) and gpu.state.alpha.shape == (24, pool + 1)
 
 
 @pytest.mark.parametrize("mode", MODES)
