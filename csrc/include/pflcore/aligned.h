@@ -1,10 +1,18 @@
 // Cache-line-aligned std::vector storage for the kernels' own buffers.
+//
+// In the level's namespace (cpu_level.h), like every inline function the kernels use: an
+// aligned_vector<float> of the avx512 copy and one of the avx2 copy are different types, so
+// std::vector's member functions (inline, instantiated in every level's units) get one symbol per
+// level, and the linker cannot keep an AVX-512-compiled copy for the avx2 level's callers.
 #pragma once
 #include <cstddef>
 #include <new>
 #include <vector>
 
+#include "pflcore/cpu_level.h"
+
 namespace pflcore {
+PFLCORE_LEVEL_BEGIN
 
 // An allocator whose blocks start on a 64-byte boundary (a cache line; one AVX-512 register).
 // The kernels load whole vectors from their buffers; glibc's malloc aligns to 16 bytes (a large
@@ -30,4 +38,5 @@ struct CacheAligned {
 template <typename T>
 using aligned_vector = std::vector<T, CacheAligned<T>>;
 
+PFLCORE_LEVEL_END
 }  // namespace pflcore
