@@ -224,3 +224,24 @@ def test_exact_alpha_that_does_not_fit_names_alpha_pool(monkeypatch):
         _run(PERM(warmup_rounds=1, lam_alpha=10.0, lr=0.05), rounds=3, eval_every=3)
     with pytest.raises(RuntimeError, match="can't allocate"):  # a pooled α's own failure is left as it is
         _run(PERM(warmup_rounds=1, lam_alpha=10.0, lr=0.05, alpha_pool=4), rounds=3, eval_every=3)
+
+
+def test_pooled_weights_refuse_bad_arguments():
+    G, sizes = _gradients(20, 5, torch.float64, seed=1)
+    pool = PL.draw(20, 6, seed=0, refresh=0)
+    with pytest.raises(ValueError, match=r"pool: expected ascending distinct client ids in \[0, 20\)"):
+        P.weights_from_gradients(G, sizes, 10.0, pool=pool.flip(0))
+    with pytest.raises(ValueError, match=r"pool: expected ascending distinct client ids in \[0, 20\)"):
+        P.weights_from_gradients(G, sizes, 10.0, pool=torch.tensor([3, 20]))
+    with pytest.raises(ValueError, match="pool: expected a non-empty int64"):
+        P.weights_from_gradients(G, sizes, 10.0, pool=pool.to(torch.int32))
+    bad = G.clone()
+    bad[7, 2] = float("nan")
+    with pytest.raises(ValueError, match="G: expected finite values"):
+        P.weights_from_gradients(bad, sizes, 10.0, pool=pool)
+    zero = sizes.clone()
+    zero[3] = 0
+    with pytest.raises(ValueError, match="sizes: expected positive sample counts"):
+        P.weights_from_gradients(G, zero, 10.0, pool=pool)
+    with pytest.raises(ValueError, match="lam_alpha"):
+        P.weights_from_gradients(G, sizes, 0.0, pool=pool)

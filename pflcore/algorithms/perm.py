@@ -661,6 +661,7 @@ def weights_from_gradients(G: torch.Tensor, sizes: torch.Tensor, lam_alpha: floa
     ``[m_local, s + 1]`` (``_perm_pool``; sharded, only the pool's rows of G are gathered)."""
     sharded = comm is not None and comm.world > 1
     if pool is not None:
+        _check_pool(G, sizes, pool, comm if sharded else None)
         ids = torch.arange(first_client, first_client + G.shape[0], device=G.device)
         if sharded:  # the pool's rows held here, gathered in rank order: ascending, pool order
             local = pool[(pool >= first_client) & (pool < first_client + G.shape[0])] - first_client
@@ -677,6 +678,27 @@ def weights_from_gradients(G: torch.Tensor, sizes: torch.Tensor, lam_alpha: floa
     if G_all.shape[0] >= SCREEN_MIN_CLIENTS:
         return screened_weights(G_all, all_sizes, lam_alpha, rows)
     return water_filling(pairwise_sqdist(G_all, rows), all_sizes, lam_alpha)
+
+
+def _check_pool(G: torch.Tensor, sizes: torch.Tensor, pool: torch.Tensor, comm: Optional[distributed.Comm]) -> None:
+    """The pooled α's arguments (the exact path's are checked by ``screened_weights`` and
+    ``water_filling``): G [m_local, d] finite, sizes positive, the pool ascending ids of clients.
+    Sharded: every rank raises or none (one all-reduce), so that no rank waits in the gather."""
+    if G.dim() != 2 or sizes.shape != (G.shape[0],):
+        raise ValueError(f"G, sizes: expected shapes [m, d] and [m], got {list(G.shape)} and {list(sizes.shape)}")
+    bad_g = int(G.numel() > 0 and not bool(torch.isfinite(G).all()))
+    bad_n = int(not bool((sizes > 0).all()))
+    m = G.shape[0]
+    if comm is not None:
+        m, bad_g, bad_n = (int(v) for v in comm.sum(torch.tensor([m, bad_g, bad_n], dtype=torch.int64)).tolist())
+    if pool.dim() != 1 or pool.dtype is not torch.int64 or pool.numel() < 1:
+        raise ValueError(f"pool: expected a non-empty int64 [s] of client ids, got {pool.dtype} {list(pool.shape)}")
+    if not bool((pool[1:] > pool[:-1]).all()) or int(pool[0]) < 0 or int(pool[-1]) >= m:
+        raise ValueError(f"pool: expected ascending distinct client ids in [0, {m}), got {pool.tolist()[:8]}")
+    if bad_g:
+        raise ValueError("G: expected finite values")
+    if bad_n:
+        raise ValueError("sizes: expected positive sample counts")
 
 
 # ---- the algorithm ------------------------------------------------------------------------------
