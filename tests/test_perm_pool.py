@@ -245,3 +245,13 @@ def test_pooled_weights_refuse_bad_arguments():
         P.weights_from_gradients(G, zero, 10.0, pool=pool)
     with pytest.raises(ValueError, match="lam_alpha"):
         P.weights_from_gradients(G, sizes, 0.0, pool=pool)
+
+
+def test_mixing_weights_takes_a_pool():
+    fed = data.two_groups(num_clients=12, samples_per_client=30, dim=6, seed=0)
+    model = models.Logistic(6, fit_intercept=False)
+    w = torch.zeros(6)
+    pool = PL.draw(12, 5, seed=0, refresh=0)
+    got = P.mixing_weights(model, w, fed.train, 10.0, pool=pool)
+    want = P.weights_from_gradients(ops.gradients(model, w, fed.train), fed.train.sizes, 10.0, pool=pool)
+    assert got.shape == (12, 6) and torch.equal(got, want)

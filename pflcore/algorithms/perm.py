@@ -644,12 +644,15 @@ def _products(left: torch.Tensor, right: torch.Tensor, sym=None) -> torch.Tensor
 SCREEN_MIN_CLIENTS = 512  # below this the dense computation is cheaper than clustering
 
 
-def mixing_weights(model, w: torch.Tensor, train, lam_alpha: float, comm: distributed.Comm = None) -> torch.Tensor:
+def mixing_weights(model, w: torch.Tensor, train, lam_alpha: float, comm: distributed.Comm = None,
+                   pool: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``[m, m]`` float64 α: row i holds personalized model i's weights on the m clients, from
     one ``ops.gradients`` call at w (every client's full-batch gradient) and one pairwise
     distance computation (outside a run; inside one, PERM computes the gradients through its
-    context and calls ``weights_from_gradients``)."""
-    return weights_from_gradients(ops.gradients(model, w, train), train.sizes, lam_alpha, comm, train.first_client)
+    context and calls ``weights_from_gradients``). ``pool`` ([s] ascending client ids, e.g.
+    ``_perm_pool.draw``): the pooled α, ``[m, s + 1]`` (``weights_from_gradients``)."""
+    return weights_from_gradients(ops.gradients(model, w, train), train.sizes, lam_alpha, comm, train.first_client,
+                                  pool)
 
 
 def weights_from_gradients(G: torch.Tensor, sizes: torch.Tensor, lam_alpha: float, comm: distributed.Comm = None,
