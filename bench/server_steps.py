@@ -239,9 +239,9 @@ def bench_pooled_alpha(fed, model, lam_alpha, ws, all_models_round, clone_s, rep
     for where, w in ws.items():
         for s in POOLS:
             pool = _perm_pool.draw(m, s, seed=0, refresh=0)
-            alpha = perm_module.weights_from_gradients(ops.gradients(model, w, fed.train), sizes, lam_alpha, pool=pool)
-            rows = torch.arange(0, m, max(1, m // 64))
             G = ops.gradients(model, w, fed.train)
+            alpha = perm_module.weights_from_gradients(G, sizes, lam_alpha, pool=pool)
+            rows = torch.arange(0, m, max(1, m // 64))
             want = _perm_pool.weights_ref(G, sizes, pool, lam_alpha, rows)
             agreement = float((_perm_pool.dense(alpha[rows], pool, rows, m) - want).abs().max())
             assert agreement <= 1e-9, agreement  # float64 products: to rounding

@@ -327,10 +327,13 @@ def test_bad_hyperparameters():
         PERM(warmup_rounds=1, lam_alpha=1.0, lr=0.1, alpha_every=0)
 
 
-def test_resume_is_bitwise(tmp_path):
+@pytest.mark.parametrize("pooled", [{}, dict(single_loop=True, alpha_every=2, alpha_pool=4)],
+                         ids=["exact", "pooled"])
+def test_resume_is_bitwise(tmp_path, pooled):
+    """Exact α, and the pooled α of a single-loop run (its pool redrawn after the resume)."""
     fed = data.two_groups(num_clients=12, samples_per_client=30, dim=6, seed=0)
     model = models.Logistic(6, fit_intercept=False)
-    alg = PERM(warmup_rounds=3, lam_alpha=10.0, lr=0.05, local_steps=2, batch_size=5)
+    alg = PERM(warmup_rounds=3, lam_alpha=10.0, lr=0.05, local_steps=2, batch_size=5, **pooled)
     kw = dict(rounds=9, clients_per_round=6, eval_every=3, progress=False)
     full = pflcore.run(alg, fed, model, **kw)
     ck = tmp_path / "ck"
@@ -340,6 +343,8 @@ def test_resume_is_bitwise(tmp_path):
     resumed = pflcore.resume(str(ck), progress=False)
     assert torch.equal(resumed.personalized, full.personalized)
     assert torch.equal(resumed.state.alpha, full.state.alpha)
+    if pooled:
+        assert torch.equal(resumed.state.pool, full.state.pool)
 
 
 def _grouped_gradients(m, d, groups, spread, seed, dtype=torch.float64):

@@ -1,9 +1,7 @@
 """PERM's pooled mixing weights (``PERM(alpha_pool=s)``, pflcore/algorithms/_perm_pool.py): each
 model's α over a pool of s clients and its own client, against the definition (the exact
 water-filling on those candidates), on every backend, in a run, sharded (tests/dist_worker.py's
-``perm_pooled``) and resumed."""
-import os
-
+``perm_pooled``) and resumed (tests/test_perm.py's ``test_resume_is_bitwise[pooled]``)."""
 import pytest
 import torch
 
@@ -170,22 +168,6 @@ def test_perm_pool_trains_the_models_its_weights_say():
     moved = (res4.state.theta != s3.theta).any(dim=1)
     assert torch.equal(moved, a > 0)
     assert 0 < int(moved.sum()) < 12, "some visits carry weight, some do not"
-
-
-def test_perm_pool_resumes_bitwise(tmp_path):
-    alg = PERM(warmup_rounds=2, lam_alpha=10.0, lr=0.05, local_steps=2, single_loop=True, alpha_every=2, alpha_pool=4,
-               batch_size=5)
-    fed = data.two_groups(num_clients=12, samples_per_client=30, dim=6, seed=0)
-    model = models.Logistic(6, fit_intercept=False)
-    kw = dict(rounds=9, clients_per_round=6, eval_every=3, progress=False)
-    full = pflcore.run(alg, fed, model, **kw)
-    ck = tmp_path / "ck"
-    pflcore.run(alg, fed, model, checkpoint=str(ck), checkpoint_every=3, **kw)
-    for late in ("round_0000006.pt", "round_0000009.pt"):
-        os.remove(ck / late)
-    resumed = pflcore.resume(str(ck), progress=False)
-    assert torch.equal(resumed.personalized, full.personalized)
-    assert torch.equal(resumed.state.alpha, full.state.alpha) and torch.equal(resumed.state.pool, full.state.pool)
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, "4"])

@@ -57,6 +57,7 @@ def weights(G_rows: torch.Tensor, sizes_rows: torch.Tensor, row_ids: torch.Tenso
     or ``torch.float32`` (each cost within ~√d·2⁻²⁴·(‖s_i‖² + ‖s_j‖²) of its value, s the rows
     shifted by the pool's mean: α within ~3e-5 of the float64 solve at the one-round w̃ of
     bench/server_steps.py, whose 4 contexts are far apart)."""
+    from pflcore.algorithms.perm import _row_sumsq  # (perm imports this module)
     if products not in (torch.float32, torch.float64):
         raise ValueError(f"products: expected torch.float32 or torch.float64, got {products!r}")
     r, s = G_rows.shape[0], pool.numel()
@@ -67,7 +68,7 @@ def weights(G_rows: torch.Tensor, sizes_rows: torch.Tensor, row_ids: torch.Tenso
     # the products' precision (a float32 shift would round float64 products' inputs)
     mu = G_pool.to(torch.float64).mean(dim=0).to(products)
     Sp = G_pool.to(products) - mu  # [s, d]
-    sq_p = _sumsq(Sp)  # [s]
+    sq_p = _row_sumsq(Sp.to(torch.float64))  # [s]
     w_pool = sizes_pool.to(device=G_rows.device, dtype=torch.float64) / (2.0 * lam_alpha)
     w_cols = torch.cat([w_pool, w_pool.new_ones(1)])  # (the last column's weight comes per row)
     w_own = sizes_rows.to(device=G_rows.device, dtype=torch.float64) / (2.0 * lam_alpha)
@@ -97,7 +98,7 @@ def weights(G_rows: torch.Tensor, sizes_rows: torch.Tensor, row_ids: torch.Tenso
             gram = torch.mm(block, Sp.T)[lead:lead + b - a]
         C = torch.empty(b - a, s + 1, dtype=torch.float64, device=G_rows.device)
         body = C[:, :s]
-        torch.add(_sumsq(Sr)[:, None], sq_p[None, :], out=body)
+        torch.add(_row_sumsq(Sr.to(torch.float64))[:, None], sq_p[None, :], out=body)
         body.add_(gram.to(torch.float64), alpha=-2.0).clamp_(min=0.0)
         C[:, s] = 0.0
         mine = torch.nonzero(in_pool[at]).flatten()
@@ -107,13 +108,6 @@ def weights(G_rows: torch.Tensor, sizes_rows: torch.Tensor, row_ids: torch.Tenso
         else:
             out[at] = adapter.water_fill(C, w_cols, w_own[at])
     return out
-
-
-def _sumsq(A: torch.Tensor) -> torch.Tensor:
-    """``float64 [n]``: the rows' squared norms, summed in float64 (a product, not ``** 2``: torch's
-    float64 power was 3x slower)."""
-    A64 = A.to(torch.float64)
-    return (A64 * A64).sum(dim=1)
 
 
 def weights_ref(G: torch.Tensor, sizes: torch.Tensor, pool: torch.Tensor, lam_alpha: float,
